@@ -1,0 +1,5 @@
+import sys
+
+from dtlab.cli import main
+
+sys.exit(main())

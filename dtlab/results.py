@@ -1,0 +1,210 @@
+"""RankResult (what one rank measured) and RunResult (the run, for analysis).
+
+A RunResult turns into DataFrames for plots and writes the CLI's files:
+``result.json`` (summary), ``events.csv``, ``trace.json`` and ``params.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import io
+import json
+import os
+import platform
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PHASES = ("data", "forward", "backward", "comm", "optimizer")
+
+
+@dataclass
+class RankResult:
+    rank: int
+    steps: list[dict[str, float]]  # step, loss, samples and one time per phase (s)
+    memory: dict[str, int]
+    events: list[dict[str, Any]]
+    phases: list[dict[str, Any]]
+    params_checksum: float
+    params: bytes | None = None  # torch.save'd state_dict, rank 0 only
+    evaluation: dict[str, float] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(backend: str, threads: int) -> dict[str, Any]:
+    import dtlab
+
+    return {
+        "torch": torch.__version__,
+        "dtlab": dtlab.__version__,
+        "git_commit": _git_commit(),
+        "backend": backend,
+        "threads_per_rank": threads,
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def params_to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, buf)
+    return buf.getvalue()
+
+
+def params_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over the floating-point entries of two state dicts."""
+    if a.keys() != b.keys():
+        raise ValueError(f"state dicts differ in keys: {sorted(a.keys() ^ b.keys())}")
+    diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()]
+    return max(diffs, default=0.0)
+
+
+@dataclass
+class RunResult:
+    config: Any  # RunConfig
+    ranks: list[RankResult]
+    wall_s: float
+    logs: dict[int, str] = field(default_factory=dict)
+
+    # -- tables -------------------------------------------------------------------
+    def steps_frame(self) -> Any:
+        import pandas as pd
+
+        rows = [{"rank": r.rank, **s} for r in self.ranks for s in r.steps]
+        return pd.DataFrame(rows)
+
+    def loss_curve(self) -> Any:
+        """The global training loss per step: the mean of the ranks' equal-sized shares."""
+        return self.steps_frame().groupby("step")["loss"].mean()
+
+    def events_frame(self) -> Any:
+        from dtlab.instrument import events_frame
+
+        return events_frame([e for r in self.ranks for e in r.events])
+
+    def phases_frame(self) -> Any:
+        import pandas as pd
+
+        rows = [p for r in self.ranks for p in r.phases]
+        return pd.DataFrame(rows, columns=["rank", "phase", "start", "end", "step"])
+
+    def step_times(self) -> Any:
+        """Per step, the slowest rank's time: a synchronous step ends when its last rank does."""
+        return self.steps_frame().groupby("step")["total"].max()
+
+    # -- numbers ------------------------------------------------------------------
+    def median_step_s(self) -> float:
+        times = self.step_times()
+        steady = times.iloc[1:] if len(times) > 1 else times  # step 0 pays warm-up costs
+        return float(steady.median())
+
+    def samples_per_s(self) -> float:
+        return self.config.global_batch_size / self.median_step_s()
+
+    def final_loss(self) -> float:
+        return float(self.loss_curve().iloc[-1])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        data = self.ranks[0].params
+        if data is None:
+            raise ValueError("this result holds no parameters")
+        return params_from_bytes(data)
+
+    def max_param_diff(self, other: RunResult | dict[str, torch.Tensor]) -> float:
+        theirs = other.params() if isinstance(other, RunResult) else other
+        return max_param_diff(self.params(), theirs)
+
+    def comm_summary(self) -> dict[str, dict[str, float]]:
+        """Per op: calls and bytes on rank 0, over the whole run and per step."""
+        df = self.events_frame()
+        df = df[df["rank"] == 0]
+        steps = self.config.steps
+        out = {}
+        for op, group in df.groupby("op"):
+            out[str(op)] = {"calls": int(len(group)), "bytes": int(group["bytes"].sum()),
+                            "calls_per_step": len(group[group["step"] >= 0]) / steps,
+                            "seconds": float(group["duration_s"].sum())}
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        cfg = self.config
+        mem_max = {k: max(r.memory.get(k, 0) for r in self.ranks) for k in self.ranks[0].memory}
+        return {
+            "tier": cfg.tier,
+            "world_size": cfg.world_size,
+            "processes": len(self.ranks),
+            "steps": cfg.steps,
+            "global_batch_size": cfg.global_batch_size,
+            "model": cfg.to_dict()["model"],
+            "dataset": cfg.dataset,
+            "median_step_s": self.median_step_s(),
+            "samples_per_s": self.samples_per_s(),
+            "final_loss": self.final_loss(),
+            **{f"test_{k}": v for k, v in self.ranks[0].evaluation.items()},
+            "wall_s": self.wall_s,
+            "comm": self.comm_summary(),
+            "memory_rank0": self.ranks[0].memory,
+            "memory_max_over_ranks": mem_max,
+            "strategy": self.ranks[0].strategy,
+            "config": cfg.to_dict(),
+            "provenance": self.ranks[0].provenance,
+        }
+
+    # -- files --------------------------------------------------------------------
+    def save(self, out_dir: str | os.PathLike[str]) -> Path:
+        """Write result.json, events.csv, trace.json and params.pt into ``out_dir``.
+
+        Each file is written under a temporary name and renamed, so a run that
+        fails midway never leaves a half-written file behind.
+        """
+        from dtlab.instrument import chrome_trace
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "result.json", json.dumps(self.summary(), indent=2, default=str).encode())
+        _atomic_write(out / "events.csv", self.events_frame().to_csv(index=False).encode())
+        _atomic_write(out / "steps.csv", self.steps_frame().to_csv(index=False).encode())
+        events = [e for r in self.ranks for e in r.events]
+        phases = [p for r in self.ranks for p in r.phases]
+        _atomic_write(out / "trace.json", json.dumps(chrome_trace(events, phases), default=str).encode())
+        if self.ranks[0].params is not None:
+            _atomic_write(out / "params.pt", self.ranks[0].params)
+        return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_params(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Load a ``params.pt`` written by ``RunResult.save`` (tensors only, no code)."""
+    return torch.load(path, weights_only=True)

@@ -1,0 +1,58 @@
+"""What every tier shares: a Strategy that changes nothing.
+
+The training loop calls only these methods, so it never knows which tier
+runs. A tier overrides the few it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtlab.config import RunConfig
+from dtlab.env import DistInfo
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """This tier has no knobs."""
+
+
+class Strategy:
+    accumulation_steps = 1
+
+    def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Apply the strategy to the unchanged model."""
+        return model
+
+    def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
+        return build(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context for micro-batches whose gradients are not yet reduced."""
+        return contextlib.nullcontext()
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Communication after backward (a hand-written DDP does it here)."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module, for evaluation and the final parameters."""
+        return model
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about what ran, for the result (e.g. real or emulated DP)."""
+        return {}
+
+
+def processes(cfg: RunConfig) -> int:
+    return cfg.world_size

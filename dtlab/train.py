@@ -1,0 +1,150 @@
+"""The training loop (it knows no strategy) and ``run(cfg)``.
+
+Each rank builds the same seeded model and data, lets the tier's Strategy wrap
+them, and runs the loop, timing each phase. The tier decides *how* gradients
+are made consistent; the loop only calls the Strategy's hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from dtlab import data as datasets
+from dtlab import models, tiers
+from dtlab.config import RunConfig
+from dtlab.env import DistInfo
+from dtlab.instrument import CommRecorder, active
+from dtlab.memory import SavedActivations, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes
+from dtlab.results import RankResult, RunResult, params_to_bytes, provenance
+
+_REPORT_EVERY_S = 0.25
+
+
+def optimizer_factory(cfg: RunConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    if cfg.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=cfg.lr)
+    return lambda params: torch.optim.Adam(params, lr=cfg.lr)
+
+
+def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, datasets.Dataset]:
+    """The seeded model and data every rank (and every tier) starts from."""
+    data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size).to(device)
+    return model, data
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: datasets.Dataset, device: torch.device,
+             batch: int = 512) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    total_loss, correct, targets = 0.0, 0, 0
+    for i in range(0, len(data.test_x), batch):
+        x, y = data.test_x[i:i + batch].to(device), data.test_y[i:i + batch].to(device)
+        loss, right = models.loss_and_correct(model(x), y)
+        total_loss += loss.item() * y.numel()
+        correct += int(right)
+        targets += y.numel()
+    model.train(was_training)
+    return {"loss": total_loss / targets, "accuracy": correct / targets}
+
+
+def train(info: DistInfo, cfg: RunConfig) -> RankResult:
+    """Run ``cfg`` as rank ``info.rank``. Called inside each rank process."""
+    from dtlab.launch import report
+
+    torch.set_num_threads(cfg.resolved_threads)
+    recorder = active() or CommRecorder(info.rank).start()
+    model, data = build_job(cfg, info.device)
+    strategy = tiers.get(cfg.tier).Strategy(cfg, info)
+    param_bytes = parameter_bytes(model)
+    model = strategy.wrap(model)
+    optimizer = strategy.make_optimizer(model, optimizer_factory(cfg))
+    batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, info.rank, info.world_size, cfg.seed)
+    accum = strategy.accumulation_steps
+    memory: dict[str, int] = {"parameters": param_bytes}
+    steps: list[dict[str, float]] = []
+    last_report = 0.0
+    for step in range(cfg.steps):
+        recorder.step = step
+        t = {p: 0.0 for p in ("data", "forward", "backward", "comm", "optimizer")}
+        t0 = time.perf_counter()
+        with recorder.phase("data"):
+            idx = batches.indices(step)
+            x, y = data.train_x[idx].to(info.device), data.train_y[idx].to(info.device)
+        t["data"] = time.perf_counter() - t0
+        step_loss = 0.0
+        for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            last = micro == accum - 1
+            with strategy.no_sync(model) if not last else _nothing():
+                a = time.perf_counter()
+                with recorder.phase("forward"), SavedActivations() if step == 0 and micro == 0 else _nothing() as acts:
+                    loss, _ = models.loss_and_correct(model(xm), ym)
+                    loss = loss / accum
+                if acts is not None:
+                    memory["activations"] = acts.bytes(exclude=model.parameters())
+                b = time.perf_counter()
+                with recorder.phase("backward"):
+                    loss.backward()
+                t["forward"] += b - a
+                t["backward"] += time.perf_counter() - b
+            step_loss += loss.item()
+        a = time.perf_counter()
+        with recorder.phase("comm"):
+            strategy.sync_gradients(model)
+        b = time.perf_counter()
+        if step == 0:
+            memory["gradients"] = gradient_bytes(strategy.unwrap(model))
+        with recorder.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        c = time.perf_counter()
+        t["comm"], t["optimizer"] = b - a, c - b
+        steps.append({"step": step, "loss": step_loss, "samples": len(idx), **t, "total": c - t0})
+        if step == 0:
+            memory["optimizer_state"] = optimizer_state_bytes(optimizer)
+        if info.is_main and (c - last_report > _REPORT_EVERY_S or step == cfg.steps - 1):
+            report(step=step + 1, total=cfg.steps, loss=step_loss, desc=f"{cfg.tier} rank 0")
+            last_report = c
+    recorder.step = cfg.steps
+    memory.update(peak_process_bytes(info.device))
+    plain = strategy.unwrap(model)
+    state = plain.state_dict()
+    checksum = float(sum(p.detach().double().sum() for p in plain.parameters()))
+    return RankResult(
+        rank=info.rank,
+        steps=steps,
+        memory=memory,
+        events=recorder.rows(),
+        phases=recorder.phase_rows(),
+        params_checksum=checksum,
+        params=params_to_bytes(state) if info.is_main else None,
+        evaluation=evaluate(plain, data, info.device) if info.is_main else {},
+        strategy=strategy.describe(),
+        provenance=provenance(info.backend, cfg.resolved_threads),
+    )
+
+
+class _nothing:  # noqa: N801 - reads like contextlib.nullcontext, but yields None cheaply
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = True,
+        start_method: str = "forkserver") -> RunResult:
+    """Run a job on its tier and collect every rank's result."""
+    from dtlab.launch import launch
+
+    tier = tiers.get(cfg.tier)
+    start = time.perf_counter()
+    out = launch(train, tier.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
+                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method)
+    return RunResult(cfg, list(out), time.perf_counter() - start, out.logs)
