@@ -12,6 +12,10 @@ from types import ModuleType
 
 TIERS: dict[str, str] = {
     "single": "dtlab.tiers.single",
+    "dp": "dtlab.tiers.dp",
+    "ddp-naive": "dtlab.tiers.ddp_naive",
+    "ddp": "dtlab.tiers.ddp",
+    "zero": "dtlab.tiers.zero",
 }
 
 

@@ -1,0 +1,111 @@
+"""Tier: DistributedDataParallel -- ddp_naive's all-reduces, bucketed and overlapped.
+
+DDP registers autograd hooks that put gradients into buckets of
+``bucket_cap_mb`` and all-reduce each bucket as soon as it is full, while
+backward is still computing the rest. A comm hook decides how a bucket is
+reduced (plain all-reduce, fp16/bf16 compression, PowerSGD); dtlab wraps it
+so that the CommRecorder sees every bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from dtlab.config import RunConfig
+from dtlab.env import resolve_backend
+from dtlab.instrument import recording_hook
+from dtlab.tiers import base
+from dtlab.tiers.base import processes
+
+__all__ = ["COMM_HOOKS", "Options", "Strategy", "processes", "validate"]
+
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
+
+
+@dataclass(frozen=True)
+class Options:
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    accumulation_steps: int = 1  # micro-batches per step; all but the last under no_sync()
+    comm_hook: str = "allreduce"
+    powersgd_rank: int = 1
+    sync_batchnorm: bool = False
+    broadcast_buffers: bool = True
+
+
+def validate(cfg: RunConfig) -> None:
+    o = cfg.tier_options
+    name = f"{cfg.tier} tier_options"
+    if not o.bucket_cap_mb > 0:
+        raise ValueError(f"{name}.bucket_cap_mb={o.bucket_cap_mb!r} is invalid: must be > 0 MB")
+    if o.comm_hook not in COMM_HOOKS:
+        raise ValueError(f"{name}.comm_hook={o.comm_hook!r} is invalid: choose one of {', '.join(COMM_HOOKS)}")
+    backend, _ = resolve_backend(cfg.backend, cfg.device)
+    if o.comm_hook == "bf16" and backend != "nccl":
+        raise ValueError(f"{name}.comm_hook='bf16' needs the nccl backend: torch refuses bf16 all-reduce on "
+                         f"{backend}; use 'fp16' there")
+    if not isinstance(o.accumulation_steps, int) or o.accumulation_steps < 1:
+        raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps!r} is invalid: must be an integer >= 1")
+    if cfg.per_rank_batch % o.accumulation_steps:
+        raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps} is invalid: it must divide the "
+                         f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
+    if o.powersgd_rank < 1:
+        raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
+    if o.sync_batchnorm and resolve_backend(cfg.backend, cfg.device)[1] != "cuda":
+        raise ValueError(f"{name}.sync_batchnorm=True needs CUDA: torch's SyncBatchNorm refuses CPU modules")
+
+
+def comm_hook(options: Options) -> tuple[Any, Any]:
+    """The (state, hook) pair DDP registers for ``options.comm_hook``."""
+    if options.comm_hook == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if options.comm_hook == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if options.comm_hook == "powersgd":
+        # start_powerSGD_iter=2: compress from the second step (DDP rebuilds buckets after the first).
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.powersgd_rank,
+                                            start_powerSGD_iter=2, random_seed=0)
+        return state, powerSGD_hook.powerSGD_hook
+    return None, default_hooks.allreduce_hook
+
+
+class Strategy(base.Strategy):
+    def __init__(self, cfg: RunConfig, info: Any) -> None:
+        super().__init__(cfg, info)
+        self.options: Options = cfg.tier_options
+        self.accumulation_steps = self.options.accumulation_steps
+        self.ddp: DistributedDataParallel | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.options.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        device_ids = [self.info.device] if self.info.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+            broadcast_buffers=self.options.broadcast_buffers,
+        )
+        state, hook = comm_hook(self.options)
+        self.ddp.register_comm_hook(state, recording_hook(hook))
+        return self.ddp
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def describe(self) -> dict[str, Any]:
+        if self.ddp is None:
+            return {}
+        log = self.ddp._get_ddp_logging_data()
+        sizes = [int(s) for s in str(log.get("bucket_sizes", "")).split(",") if s.strip()]
+        return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
+                "num_buckets": len(sizes), "bucket_sizes_bytes": sizes,
+                "has_rebuilt_buckets": bool(log.get("has_rebuilt_buckets", 0))}

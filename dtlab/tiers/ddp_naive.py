@@ -1,0 +1,41 @@
+"""Tier: DDP from scratch -- the single tier plus two collectives.
+
+1. ``wrap``: broadcast rank 0's parameters, so every replica starts equal.
+2. ``sync_gradients``: after backward, one ``all_reduce`` per parameter, then
+   divide by the world size: every rank now holds the global-batch gradient.
+
+No buckets and no overlap with backward: compare it with ``ddp`` to see what
+DistributedDataParallel's bucketing buys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtlab.config import RunConfig
+from dtlab.tiers import base
+from dtlab.tiers.base import NoOptions as Options
+from dtlab.tiers.base import processes
+
+__all__ = ["Options", "Strategy", "processes", "validate"]
+
+
+def validate(cfg: RunConfig) -> None:
+    """Nothing beyond RunConfig's own checks."""
+
+
+class Strategy(base.Strategy):
+    def wrap(self, model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+        return model
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        world = self.info.world_size
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # SUM over ranks ...
+                p.grad.div_(world)  # ... / world = mean over the global batch

@@ -1,0 +1,34 @@
+"""Tier: DDP + ZeroRedundancyOptimizer -- ddp with the optimizer state sharded.
+
+Each rank keeps optimizer state (Adam's two moments) only for the parameters
+it owns, steps those, and broadcasts them to the others. Gradients are still
+all-reduced by DDP exactly as in the ``ddp`` tier.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from dtlab.config import RunConfig
+from dtlab.tiers import ddp
+from dtlab.tiers.base import OptimizerFactory
+from dtlab.tiers.ddp import Options, processes
+
+__all__ = ["Options", "Strategy", "processes", "validate"]
+
+SHARDABLE = {"sgd", "adam"}
+
+
+def validate(cfg: RunConfig) -> None:
+    ddp.validate(cfg)
+    if cfg.optimizer not in SHARDABLE:
+        raise ValueError(f"RunConfig.optimizer={cfg.optimizer!r} cannot be sharded by the zero tier: "
+                         f"use one of {', '.join(sorted(SHARDABLE))}")
+
+
+class Strategy(ddp.Strategy):
+    def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
+        # build is functools.partial(OptimizerClass, lr=...): ZeRO needs the class and its arguments.
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=build.func, **build.keywords)
