@@ -336,8 +336,12 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         size = _group_size(_arg(args, kwargs, group_pos, "group"))
         rec._enter(code)
         start = time.perf_counter()
-        work = fn(*args, **kwargs)  # on an exception the op stays "in flight" for the report
-        rec._leave()
+        rec.suppressed = True  # torch implements some ops with others (send is isend + wait): count once
+        try:
+            work = fn(*args, **kwargs)
+        finally:
+            rec.suppressed = False
+        rec._leave()  # not reached on an exception: the op stays "in flight" for the launcher's report
         end = None if is_async else time.perf_counter()
         ev = rec.add(name, _nbytes(payload), _dtype(payload), size, peer, start, end, is_async)
         if is_async and work is not None:
@@ -358,9 +362,11 @@ def _wrap_broadcast_coalesced(fn: Callable[..., Any]) -> Callable[..., Any]:
         src = args[1] if len(args) > 1 else kwargs.get("src", 0)
         rec._enter(OP_CODES["broadcast_coalesced"])
         start = time.perf_counter()
+        rec.suppressed = True
         try:
             return fn(process_group, tensors, *args, **kwargs)
         finally:
+            rec.suppressed = False
             rec._leave()
             rec.add("broadcast", _nbytes(list(tensors)), _dtype(list(tensors)), process_group.size(), src,
                     start, time.perf_counter(), False)[TAG] = rec.tag or "broadcast_coalesced"

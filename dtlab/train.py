@@ -60,7 +60,8 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     from dtlab.launch import report
 
     torch.set_num_threads(cfg.resolved_threads)
-    recorder = active() or CommRecorder(info.rank).start()
+    # Not started when the launcher records nothing: phases are timed, collectives not.
+    recorder = active() or CommRecorder(info.rank)
     model, data = build_job(cfg, info.device)
     strategy = tiers.get(cfg.tier).Strategy(cfg, info)
     param_bytes = parameter_bytes(model)
@@ -140,12 +141,15 @@ class _nothing:  # noqa: N801 - reads like contextlib.nullcontext, but yields No
 
 
 def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = True,
-        start_method: str = "forkserver") -> RunResult:
-    """Run a job on its tier and collect every rank's result."""
+        start_method: str = "forkserver", record: bool = True) -> RunResult:
+    """Run a job on its tier and collect every rank's result.
+
+    ``record=False`` switches the CommRecorder off (to measure its overhead).
+    """
     from dtlab.launch import launch
 
     tier = tiers.get(cfg.tier)
     start = time.perf_counter()
     out = launch(train, tier.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
-                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method)
+                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record)
     return RunResult(cfg, list(out), time.perf_counter() - start, out.logs)

@@ -23,7 +23,7 @@ from dtlab.instrument import recording_hook
 from dtlab.tiers import base
 from dtlab.tiers.base import processes
 
-__all__ = ["COMM_HOOKS", "Options", "Strategy", "processes", "validate"]
+__all__ = ["COMM_HOOKS", "Options", "Strategy", "bucket_layout", "processes", "validate"]
 
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 
@@ -86,10 +86,11 @@ class Strategy(base.Strategy):
         if self.options.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.info.device] if self.info.device.type == "cuda" else None
+        # Pass broadcast_buffers only to switch it off: newer torch deprecates the name.
+        extra = {} if self.options.broadcast_buffers else {"broadcast_buffers": False}
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
-            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
-            broadcast_buffers=self.options.broadcast_buffers,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
         state, hook = comm_hook(self.options)
         self.ddp.register_comm_hook(state, recording_hook(hook))
@@ -104,8 +105,12 @@ class Strategy(base.Strategy):
     def describe(self) -> dict[str, Any]:
         if self.ddp is None:
             return {}
-        log = self.ddp._get_ddp_logging_data()
-        sizes = [int(s) for s in str(log.get("bucket_sizes", "")).split(",") if s.strip()]
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
-                "num_buckets": len(sizes), "bucket_sizes_bytes": sizes,
-                "has_rebuilt_buckets": bool(log.get("has_rebuilt_buckets", 0))}
+                **bucket_layout(self.ddp)}
+
+
+def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
+    """DDP's current buckets. Its logging data keeps the first layout only; after
+    the first step DDP rebuilds buckets in gradient-ready order, so ask the reducer."""
+    sizes = [b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()]
+    return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes}

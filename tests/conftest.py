@@ -1,0 +1,40 @@
+"""Shared fixtures: every test that launches ranks checks that none survive."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import time
+
+import psutil
+import pytest
+
+
+def helper_pids() -> set[int]:
+    """The idle forkserver and resource tracker kept by multiprocessing (allowed to stay)."""
+    pids = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in pids if p}
+
+
+def leftover_processes(wait_s: float = 3.0) -> list[psutil.Process]:
+    """Descendants of this process other than the allowed helpers, after a short grace."""
+    deadline = time.time() + wait_s
+    while True:
+        allowed = helper_pids()
+        alive = [p for p in psutil.Process().children(recursive=True)
+                 if p.pid not in allowed and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def no_survivors():
+    """Fails the test if any rank process outlives it."""
+    yield
+    alive = leftover_processes()
+    names = [(p.pid, p.name(), " ".join(p.cmdline())[:80]) for p in alive]
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {names}"

@@ -1,0 +1,107 @@
+"""The backbone: every tier trains to the single-device parameters on the same global batch."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from dtlab import RunConfig
+from dtlab.tiers.ddp import Options as DDPOptions
+from dtlab.train import run
+
+pytestmark = pytest.mark.usefixtures("no_survivors")
+TOL = 1e-5
+LR = {"sgd": 0.05, "adam": 0.01}
+
+
+def job(optimizer: str, **changes) -> RunConfig:
+    base = dict(steps=20, optimizer=optimizer, lr=LR[optimizer], global_batch_size=64, threads_per_rank=1)
+    return RunConfig(**{**base, **changes})
+
+
+@functools.lru_cache(maxsize=None)
+def single(optimizer: str, model: str = "mlp", dataset: str = "digits"):
+    return run(job(optimizer, model=model, dataset=dataset), progress=False)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("tier", ["dp", "ddp-naive", "ddp", "zero"])
+def test_tier_matches_single(tier, world_size, optimizer):
+    result = run(job(optimizer, tier=tier, world_size=world_size), progress=False)
+    assert result.max_param_diff(single(optimizer)) <= TOL
+    # every replica ends with the same parameters
+    assert len({r.params_checksum for r in result.ranks}) == 1
+
+
+@pytest.mark.parametrize("tier", ["ddp", "zero"])
+def test_world_size_four_matches_single(tier):
+    result = run(job("adam", tier=tier, world_size=4), progress=False)
+    assert len(result.ranks) == 4
+    assert result.max_param_diff(single("adam")) <= TOL
+
+
+def test_transformer_parity_with_adam():
+    # Adam's update is about lr * sign(g) where a gradient is near zero, so a
+    # rounding-level difference in g can flip a whole update: the attention
+    # query weights of this tiny model reach 1.2e-5 at lr=0.01, 3e-6 at 0.003.
+    cfg = job("adam", model="charformer", dataset="text").replace(lr=0.003)
+    ref = run(cfg, progress=False)
+    result = run(cfg.replace(tier="ddp", world_size=2), progress=False)
+    assert result.max_param_diff(ref) <= TOL
+
+
+def test_gradient_accumulation_matches_single():
+    cfg = job("sgd", tier="ddp", world_size=2, tier_options=DDPOptions(accumulation_steps=4))
+    result = run(cfg, progress=False)
+    assert result.max_param_diff(single("sgd")) <= TOL
+    # no_sync(): one reduction per step, not one per micro-batch
+    assert result.comm_summary()["all_reduce"]["calls_per_step"] == pytest.approx(1.0)
+
+
+def test_small_buckets_match_single_too():
+    cfg = job("sgd", tier="ddp", world_size=2, tier_options=DDPOptions(bucket_cap_mb=0.001))
+    result = run(cfg, progress=False)
+    assert result.max_param_diff(single("sgd")) <= TOL
+    assert result.ranks[0].strategy["num_buckets"] > 1
+
+
+def test_batchnorm_breaks_parity_as_taught():
+    """Each rank normalises with its own half of the batch: the exception the notebook shows."""
+    ref = single("sgd", model="cnn-bn")
+    result = run(job("sgd", tier="ddp", world_size=2, model="cnn-bn"), progress=False)
+    assert result.max_param_diff(ref) > 1e-3
+    plain_cnn = run(job("sgd", tier="ddp", world_size=2, model="cnn"), progress=False)
+    assert plain_cnn.max_param_diff(single("sgd", model="cnn")) <= TOL
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_compressing_hooks_still_train(hook):
+    cfg = job("sgd", tier="ddp", world_size=2, tier_options=DDPOptions(comm_hook=hook)).replace(steps=40, lr=0.2)
+    result = run(cfg, progress=False)
+    curve = result.loss_curve()
+    assert curve.iloc[-5:].mean() < curve.iloc[:5].mean() - 0.05
+    assert result.ranks[0].strategy["comm_hook"] == hook
+
+
+def test_user_model_difference_is_reported():
+    cfg = job("sgd", model="dtlab.models:mlp")
+    ref = run(cfg, progress=False)
+    other = run(cfg.replace(tier="ddp", world_size=2), progress=False)
+    assert other.max_param_diff(ref) <= TOL
+
+
+def test_dataparallel_replicas_run_concurrently():
+    cfg = job("sgd", tier="dp", world_size=2, model_size=512, global_batch_size=512).replace(steps=10)
+    result = run(cfg, progress=False)
+    assert result.ranks[0].strategy["dataparallel"] == "emulated on CPU threads"
+    phases = result.phases_frame()
+    fwd = phases[phases["phase"].str.startswith("dp_forward:")]
+    overlapping = 0
+    for _, group in fwd.groupby("step"):
+        assert len(group) == 2
+        overlapping += group["start"].max() < group["end"].min()
+    assert overlapping >= 8  # nearly every step's two replica forwards overlap in time
+    names = set(phases["phase"])
+    assert {"dp_replicate", "dp_scatter", "dp_gather"} <= names
