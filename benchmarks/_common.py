@@ -55,20 +55,21 @@ def repeats(args: argparse.Namespace, full: int, quick: int = 1) -> int:
 
 
 # -- interleaving ---------------------------------------------------------------------------
-def interleave(variants: Mapping[str, Callable[[], Mapping[str, Any]]], rounds: int, *, warmup_rounds: int = 1,
+def interleave(variants: Mapping[str, Callable[[int], Mapping[str, Any]]], rounds: int, *, warmup_rounds: int = 1,
                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every variant once per round, round after round: A, B, A, B, ...
 
-    Each variant returns a dict of measurements. The result is one row per
-    (round, variant): ``round`` (negative for warm-up rounds, which are kept
-    in the rows but left out by ``per_round``), ``order`` (position within the
-    round), ``variant`` and the measurements.
+    Each variant is called with the round number and returns a dict of
+    measurements. The result is one row per (round, variant): ``round``
+    (negative for warm-up rounds, which are kept in the rows but left out by
+    ``per_round``), ``order`` (position within the round), ``variant`` and
+    the measurements.
     """
     rows: list[dict[str, Any]] = []
     for r in range(-warmup_rounds, rounds):
         started = time.perf_counter()
         for order, (name, fn) in enumerate(variants.items()):
-            rows.append({"round": r, "order": order, "variant": name, **fn()})
+            rows.append({"round": r, "order": order, "variant": name, **fn(r)})
         if log is not None:
             what = "warm-up round" if r < 0 else f"round {r + 1}/{rounds}"
             log(f"{what} done in {time.perf_counter() - started:.1f} s")
@@ -113,7 +114,7 @@ def steady_step_s(result: Any, warmup_steps: int = WARMUP_STEPS) -> float:
 
 
 def steps_rows(result: Any, **labels: Any) -> list[dict[str, Any]]:
-    """The run's per-rank, per-step timings as rows, with ``labels`` on each."""
+    """The run's per-rank, per-step timings (s) as rows, with ``labels`` on each."""
     return [{**labels, **row} for row in result.steps_frame().to_dict("records")]
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from dtlab.config import RunConfig
-from dtlab.env import DistInfo
+from dtlab.env import DistInfo, environment_report
 from dtlab.failures import CollectiveTimeout, RankError
 from dtlab.instrument import CommRecorder
 from dtlab.launch import launch, report, shutdown
+from dtlab.results import RunResult
+from dtlab.train import run
 
 __all__ = [
     "CollectiveTimeout",
@@ -16,8 +18,11 @@ __all__ = [
     "DistInfo",
     "RankError",
     "RunConfig",
+    "RunResult",
     "__version__",
+    "environment_report",
     "launch",
     "report",
+    "run",
     "shutdown",
 ]

@@ -5,18 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtlab import tiers
+from dtlab import plots, tiers
+from dtlab.analysis import breakdown_frame, memory_frame
 from dtlab.config import RunConfig
 from dtlab.results import RunResult
 from dtlab.train import run
 
 
 def compare(base: RunConfig, tier_names: list[str], world_sizes: list[int], *, out_dir: Path | None = None,
-            progress: bool = True) -> Any:
+            progress: bool = True, results: list[RunResult] | None = None) -> Any:
     """One row per (tier, world size); ``single`` runs once, at world size 1, as the baseline.
 
     Every configuration is validated before the first run starts, so a bad
     tier or world size fails at once rather than after minutes of training.
+    Pass a list as ``results`` to get the RunResults too. With ``out_dir`` the
+    table, each run's files and the figures (``figures``) are written there.
     """
     import pandas as pd
 
@@ -28,8 +31,10 @@ def compare(base: RunConfig, tier_names: list[str], world_sizes: list[int], *, o
             jobs += [base.replace(tier=name, world_size=w) for w in world_sizes]
     baseline: RunResult | None = None
     rows = []
+    done: list[RunResult] = [] if results is None else results
     for cfg in jobs:
         result = run(cfg, progress=progress)
+        done.append(result)
         baseline = baseline or result
         s = result.summary()
         comm = s["comm"]
@@ -48,7 +53,19 @@ def compare(base: RunConfig, tier_names: list[str], world_sizes: list[int], *, o
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         table.to_csv(out_dir / "compare.csv", index=False)
+        for name, fig in figures(table, done).items():
+            plots.save(fig, out_dir / f"{name}.png")
     return table
+
+
+def figures(table: Any, results: list[RunResult]) -> dict[str, Any]:
+    """Speedup, step-time breakdown, memory and loss curves of a comparison."""
+    return {
+        "speedup": plots.speedup(table),
+        "breakdown": plots.step_breakdown(breakdown_frame(results)),
+        "memory": plots.memory_breakdown(memory_frame(results, ranks=2)),
+        "loss": plots.loss_curves({r.label: r.loss_curve() for r in results}),
+    }
 
 
 def format_table(table: Any) -> str:

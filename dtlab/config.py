@@ -61,8 +61,8 @@ class RunConfig:
     dataset_size: int = 2048
     global_batch_size: int = 64
     steps: int = 50
-    lr: float = 0.05
-    optimizer: str = "sgd"
+    lr: float = 0.01
+    optimizer: str = "adam"
     seed: int = 0
     backend: str = "auto"
     device: str = "auto"

@@ -95,3 +95,22 @@ class DistInfo:
     def cleanup() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def environment_report() -> dict[str, Any]:
+    """What this machine offers for distributed training (for notebook 00)."""
+    import platform
+
+    cuda = torch.cuda.is_available()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu cores": os.cpu_count(),
+        "CUDA available": cuda,
+        "CUDA devices": torch.cuda.device_count() if cuda else 0,
+        "gloo backend": dist.is_gloo_available(),
+        "nccl backend": dist.is_nccl_available() and cuda,
+        "mpi backend": dist.is_mpi_available(),
+        "default backend": resolve_backend("auto", "auto")[0],
+        "torch.distributed.rpc": dist.rpc.is_available() if hasattr(dist, "rpc") else False,
+    }

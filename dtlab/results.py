@@ -116,6 +116,17 @@ class RunResult:
         """Per step, the slowest rank's time: a synchronous step ends when its last rank does."""
         return self.steps_frame().groupby("step")["total"].max()
 
+    @property
+    def label(self) -> str:
+        return f"{self.config.tier} w{self.config.world_size}"
+
+    def phase_medians(self) -> dict[str, float]:
+        """Median seconds per phase over steady steps (step 0 excluded), slowest rank per step."""
+        df = self.steps_frame()
+        steady = df[df["step"] > 0] if df["step"].max() > 0 else df
+        per_step = steady.groupby("step")[list(PHASES)].max()
+        return {p: float(per_step[p].median()) for p in PHASES}
+
     # -- numbers ------------------------------------------------------------------
     def median_step_s(self) -> float:
         times = self.step_times()

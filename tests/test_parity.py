@@ -20,7 +20,7 @@ def job(optimizer: str, **changes) -> RunConfig:
     return RunConfig(**{**base, **changes})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single(optimizer: str, model: str = "mlp", dataset: str = "digits"):
     return run(job(optimizer, model=model, dataset=dataset), progress=False)
 

@@ -1,0 +1,30 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+# The virtual environment is made on first use. torch is pinned to 2.13.0
+# first so that pip takes the CPU build this machine provides; pyproject.toml
+# itself asks only for a range (set TORCH= to keep or choose another torch).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dtlab-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[notebook,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 --out results/demo
+
+test: $(STAMP)
+	$(PY) -m ruff check dtlab tests benchmarks
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m dtlab bench
+
+clean:
+	rm -rf results .pytest_cache
