@@ -59,3 +59,13 @@ def breakdown_frame(results: list[RunResult]) -> Any:
     import pandas as pd
 
     return pd.DataFrame([{"label": r.label, **r.phase_medians()} for r in results])
+
+
+def dataparallel_lanes(result: RunResult, step: int) -> Any:
+    """One step of a ``dp`` run as lanes: the master thread and each replica thread (for plots.gantt)."""
+    phases = result.phases_frame()
+    df = phases[(phases["step"] == step) & (phases["phase"] != "forward")].copy()
+    replica = df["phase"].str.extract(r"^dp_forward:(\d+)$")[0]
+    df["lane"] = ("replica " + replica).where(replica.notna(), "master")
+    df["phase"] = df["phase"].str.replace(r"^dp_", "", regex=True).str.replace(r":\d+$", "", regex=True)
+    return df.sort_values(["lane", "start"], key=lambda c: c if c.name != "lane" else c != "master")

@@ -16,6 +16,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--model", default=d.model, help="mlp, cnn, cnn-bn, charformer or package.module:factory")
     p.add_argument("--model-size", type=int, default=d.model_size, help="width of the built-in model")
+    p.add_argument("--model-depth", type=int, default=d.model_depth, help="mlp hidden layers / charformer blocks")
     p.add_argument("--dataset", default=d.dataset, help="digits, synthetic or text")
     p.add_argument("--dataset-size", type=int, default=d.dataset_size, help="samples (synthetic only)")
     p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global batch size")
@@ -63,7 +64,8 @@ def _convert(raw: str, default: Any) -> Any:
 
 def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> RunConfig:
     return RunConfig(
-        tier=tier, world_size=world_size, model=args.model, model_size=args.model_size, dataset=args.dataset,
+        tier=tier, world_size=world_size, model=args.model, model_size=args.model_size, model_depth=args.model_depth,
+        dataset=args.dataset,
         dataset_size=args.dataset_size, global_batch_size=args.batch_size, steps=args.steps, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
         threads_per_rank=args.threads, timeout_s=args.timeout, tier_options=tier_options(tier, args.opt),

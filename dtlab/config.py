@@ -57,6 +57,7 @@ class RunConfig:
     world_size: int = 1
     model: str | Callable[..., Any] = "mlp"
     model_size: int = 64
+    model_depth: int = 2  # hidden layers of the mlp, blocks of the charformer
     dataset: str = "digits"
     dataset_size: int = 2048
     global_batch_size: int = 64
@@ -76,7 +77,8 @@ class RunConfig:
 
         if self.tier not in tiers.TIERS:
             _fail("tier", self.tier, f"choose one of {', '.join(tiers.TIERS)}")
-        for name in ("world_size", "steps", "global_batch_size", "model_size", "dataset_size", "log_every"):
+        for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "dataset_size",
+                     "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "must be an integer >= 1")
@@ -147,7 +149,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tier_options"}
         if callable(self.model):
-            out["model"] = getattr(self.model, "__qualname__", repr(self.model))
+            target = getattr(self.model, "func", self.model)  # functools.partial: name the function
+            out["model"] = getattr(target, "__qualname__", type(target).__name__)
         out["tier_options"] = dataclasses.asdict(self.tier_options)
         return out
 

@@ -88,16 +88,17 @@ class CharFormer(nn.Module):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
-def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int) -> nn.Module:
+def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
+          depth: int = 2) -> nn.Module:
     """Make the model named by ``spec`` (built-in name, import path or callable)."""
     if spec == "mlp":
-        return mlp(input_shape, num_classes, width)
+        return mlp(input_shape, num_classes, width, depth)
     if spec == "cnn":
         return cnn(input_shape, num_classes, width)
     if spec == "cnn-bn":
         return cnn(input_shape, num_classes, width, batchnorm=True)
     if spec == "charformer":
-        return CharFormer(num_classes, input_shape[0], width)
+        return CharFormer(num_classes, input_shape[0], width, layers=depth)
     if isinstance(spec, str):
         from dtlab.config import resolve_import_path
 

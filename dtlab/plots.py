@@ -243,6 +243,31 @@ def timeline(events: pd.DataFrame | None, phases: pd.DataFrame, step: int | Iter
     return fig
 
 
+def gantt(df: pd.DataFrame, lane: str = "lane", color_by: str = "phase", title: str = "Timeline") -> Figure:
+    """A Gantt chart with one row per value of ``lane`` (threads, replicas, pipeline stages).
+
+    ``df``: columns ``lane``, ``color_by``, start and end (absolute seconds); the x axis
+    is ms since the earliest start. Rows keep the order in which lanes first appear.
+    """
+    _require(df, (lane, color_by, "start", "end"), "gantt")
+    df = df.reset_index(drop=True)
+    lanes = list(pd.unique(df[lane]))
+    row = {name: i for i, name in enumerate(lanes)}
+    t0 = float(df["start"].min())
+    span_ms = (float(df["end"].max()) - t0) * 1e3
+    fig = _figure(max(2.4, 1.4 + 0.45 * len(lanes)))
+    ax = fig.subplots()
+    colors = _colors(pd.unique(df[color_by]), PHASE_COLORS, OP_PALETTE)
+    _lane(ax, df, color_by, df[lane].map(row).to_numpy().astype(float), t0, span_ms * 0.002, colors)
+    ax.set_yticks(range(len(lanes)), [str(x) for x in lanes])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set(title=title, xlabel="time since first shown start (ms)")
+    ax.grid(axis="x", alpha=0.3)
+    _bottom_legend(fig, ax, max_cols=6)
+    return fig
+
+
 # -- 4. memory --------------------------------------------------------------------
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
 

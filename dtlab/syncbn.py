@@ -92,7 +92,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean_c, invstd_c)
         ctx.count = count
         ctx.process_group = process_group
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.to(x.dtype)
 
     @staticmethod
@@ -109,8 +109,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = sum_dy_xhat.to(weight.dtype)  # local sum: DDP averages it over ranks
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(grad_out.dtype if weight is None else weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(ctx.bias_dtype)  # local sum too
         if ctx.needs_input_grad[0]:
             # The global means of dy and dy*x_hat are the two terms through which every row's
             # gradient depends on every other row's (via the batch mean and variance).

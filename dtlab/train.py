@@ -35,7 +35,7 @@ def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, da
     """The seeded model and data every rank (and every tier) starts from."""
     data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size).to(device)
+    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth).to(device)
     return model, data
 
 

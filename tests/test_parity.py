@@ -76,6 +76,16 @@ def test_batchnorm_breaks_parity_as_taught():
     assert plain_cnn.max_param_diff(single("sgd", model="cnn")) <= TOL
 
 
+@pytest.mark.parametrize("tier", ["ddp", "zero"])
+def test_sync_batchnorm_restores_parity(tier):
+    """Statistics over the global batch (all-reduced) make BatchNorm match the single device again."""
+    cfg = job("sgd", tier=tier, world_size=2, model="cnn-bn", tier_options=DDPOptions(sync_batchnorm=True))
+    result = run(cfg, progress=False)
+    assert result.max_param_diff(single("sgd", model="cnn-bn")) <= TOL  # running stats included
+    # two all-reduces per BatchNorm layer per step (statistics forward, gradient sums backward)
+    assert result.comm_summary()["all_reduce"]["calls_per_step"] >= 1 + 2 * 2
+
+
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_compressing_hooks_still_train(hook):
     cfg = job("sgd", tier="ddp", world_size=2, tier_options=DDPOptions(comm_hook=hook)).replace(steps=40, lr=0.2)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlab.config import RunConfig
 from dtlab.env import resolve_backend
 from dtlab.instrument import recording_hook
+from dtlab.syncbn import convert_sync_batchnorm
 from dtlab.tiers import base
 from dtlab.tiers.base import processes
 
@@ -57,8 +58,6 @@ def validate(cfg: RunConfig) -> None:
                          f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
     if o.powersgd_rank < 1:
         raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
-    if o.sync_batchnorm and resolve_backend(cfg.backend, cfg.device)[1] != "cuda":
-        raise ValueError(f"{name}.sync_batchnorm=True needs CUDA: torch's SyncBatchNorm refuses CPU modules")
 
 
 def comm_hook(options: Options) -> tuple[Any, Any]:
@@ -84,7 +83,11 @@ class Strategy(base.Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.options.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            # torch's SyncBatchNorm is GPU-only; on CPU dtlab's own does the same all-reduces.
+            if self.info.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            else:
+                model = convert_sync_batchnorm(model)
         device_ids = [self.info.device] if self.info.device.type == "cuda" else None
         # Pass broadcast_buffers only to switch it off: newer torch deprecates the name.
         extra = {} if self.options.broadcast_buffers else {"broadcast_buffers": False}
