@@ -196,16 +196,20 @@ def _lane(ax: Axes, df: pd.DataFrame, key: str, y: np.ndarray, t0: float, min_ms
         start = (rows["start"].to_numpy(float) - t0) * 1e3
         # Instant events (async launches) would have zero width and vanish; keep them visible.
         width = np.maximum((rows["end"].to_numpy(float) - rows["start"].to_numpy(float)) * 1e3, min_ms)
-        ax.barh(y[rows.index], width, left=start, height=0.36, color=colors[name], label=str(name))
+        # white edges keep back-to-back bars (consecutive buckets) apart
+        ax.barh(y[rows.index], width, left=start, height=0.36, color=colors[name], label=str(name),
+                edgecolor="white", linewidth=0.6)
 
 
-def timeline(events: pd.DataFrame | None, phases: pd.DataFrame, step: int | Iterable[int] | None = None) -> Figure:
+def timeline(events: pd.DataFrame | None, phases: pd.DataFrame, step: int | Iterable[int] | None = None,
+             event_color: str = "op") -> Figure:
     """Per-rank Gantt chart: compute phases in one lane, communication ops in a second.
 
     ``phases``: columns rank, phase, start, end, step; ``events``: columns rank, op, start,
     end, step (bytes and tag are not drawn). start/end are absolute seconds on one clock;
     the x axis is ms since the earliest shown start. ``step`` picks one step, or a list or
-    range of steps. ``events`` may be empty or None.
+    range of steps. ``events`` may be empty or None. ``event_color="tag"`` colours
+    communication by tag instead of op (one colour per DDP bucket).
     """
     _require(phases, ("rank", "phase", "start", "end", "step"), "timeline phases")
     events = pd.DataFrame() if events is None else events
@@ -228,8 +232,8 @@ def timeline(events: pd.DataFrame | None, phases: pd.DataFrame, step: int | Iter
         ph_colors = _colors(pd.unique(phases["phase"]), PHASE_COLORS, OP_PALETTE)
         _lane(ax, phases, "phase", phases["rank"].map(row).to_numpy() - 0.2, t0, min_ms, ph_colors)
     if not events.empty:
-        op_colors = _colors(pd.unique(events["op"]), {}, OP_PALETTE)
-        _lane(ax, events, "op", events["rank"].map(row).to_numpy() + 0.2, t0, min_ms, op_colors)
+        op_colors = _colors(pd.unique(events[event_color]), {}, OP_PALETTE)
+        _lane(ax, events, event_color, events["rank"].map(row).to_numpy() + 0.2, t0, min_ms, op_colors)
     for i in range(1, len(ranks)):
         ax.axhline(i - 0.5, color="0.8", lw=0.8)
     ticks = [y for i in range(len(ranks)) for y in (i - 0.2, i + 0.2)]

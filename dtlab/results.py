@@ -150,14 +150,16 @@ class RunResult:
         return max_param_diff(self.params(), theirs)
 
     def comm_summary(self) -> dict[str, dict[str, float]]:
-        """Per op: calls and bytes on rank 0, over the whole run and per step."""
+        """Per op: calls and bytes on rank 0, over the whole run and per training step."""
         df = self.events_frame()
         df = df[df["rank"] == 0]
         steps = self.config.steps
         out = {}
         for op, group in df.groupby("op"):
+            in_steps = group[group["step"] >= 0]  # leaves out set-up traffic (DDP's initial broadcast)
             out[str(op)] = {"calls": int(len(group)), "bytes": int(group["bytes"].sum()),
-                            "calls_per_step": len(group[group["step"] >= 0]) / steps,
+                            "calls_per_step": len(in_steps) / steps,
+                            "bytes_per_step": float(in_steps["bytes"].sum()) / steps,
                             "seconds": float(group["duration_s"].sum())}
         return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlab import RunConfig
-from dtlab.tiers import ddp
+from dtlab.tiers import ddp, zero
 
 BAD = [
     (dict(world_size=0), "world_size"),
@@ -30,7 +30,8 @@ BAD = [
     (dict(tier="single", tier_options=ddp.Options()), "tier_options"),
     (dict(tier="ddp", tier_options=ddp.Options(comm_hook="gzip")), "comm_hook"),
     (dict(tier="ddp", tier_options=ddp.Options(bucket_cap_mb=0)), "bucket_cap_mb"),
-    (dict(tier="zero", tier_options=ddp.Options(bucket_cap_mb=-1)), "bucket_cap_mb"),
+    (dict(tier="zero", tier_options=zero.Options(bucket_cap_mb=-1)), "bucket_cap_mb"),
+    (dict(tier="zero", tier_options=ddp.Options()), "tier_options"),
     (dict(tier="ddp", world_size=2, global_batch_size=64, tier_options=ddp.Options(accumulation_steps=3)),
      "accumulation_steps"),
     (dict(tier="ddp", tier_options=ddp.Options(comm_hook="bf16")), "comm_hook"),

@@ -8,6 +8,7 @@ import pytest
 
 from dtlab import RunConfig
 from dtlab.tiers.ddp import Options as DDPOptions
+from dtlab.tiers.zero import Options as ZeroOptions
 from dtlab.train import run
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
@@ -33,6 +34,15 @@ def test_tier_matches_single(tier, world_size, optimizer):
     assert result.max_param_diff(single(optimizer)) <= TOL
     # every replica ends with the same parameters
     assert len({r.params_checksum for r in result.ranks}) == 1
+
+
+def test_zero_parameters_as_bucket_view_matches_and_broadcasts_less():
+    cfg = job("adam", tier="zero", world_size=2)
+    packed = run(cfg.replace(tier_options=ZeroOptions(parameters_as_bucket_view=True)), progress=False)
+    plain = run(cfg, progress=False)
+    assert packed.max_param_diff(single("adam")) <= TOL
+    broadcasts = [r.comm_summary()["broadcast"]["calls_per_step"] for r in (packed, plain)]
+    assert broadcasts == [2, 6]  # one per rank, against one per parameter tensor
 
 
 @pytest.mark.parametrize("tier", ["ddp", "zero"])
@@ -76,10 +86,11 @@ def test_batchnorm_breaks_parity_as_taught():
     assert plain_cnn.max_param_diff(single("sgd", model="cnn")) <= TOL
 
 
-@pytest.mark.parametrize("tier", ["ddp", "zero"])
-def test_sync_batchnorm_restores_parity(tier):
+@pytest.mark.parametrize("options", [DDPOptions(sync_batchnorm=True), ZeroOptions(sync_batchnorm=True)])
+def test_sync_batchnorm_restores_parity(options):
     """Statistics over the global batch (all-reduced) make BatchNorm match the single device again."""
-    cfg = job("sgd", tier=tier, world_size=2, model="cnn-bn", tier_options=DDPOptions(sync_batchnorm=True))
+    tier = "zero" if isinstance(options, ZeroOptions) else "ddp"
+    cfg = job("sgd", tier=tier, world_size=2, model="cnn-bn", tier_options=options)
     result = run(cfg, progress=False)
     assert result.max_param_diff(single("sgd", model="cnn-bn")) <= TOL  # running stats included
     # two all-reduces per BatchNorm layer per step (statistics forward, gradient sums backward)
@@ -103,7 +114,7 @@ def test_user_model_difference_is_reported():
 
 
 def test_dataparallel_replicas_run_concurrently():
-    cfg = job("sgd", tier="dp", world_size=2, model_size=512, global_batch_size=512).replace(steps=10)
+    cfg = job("sgd", tier="dp", world_size=2, model_size=1024, global_batch_size=512).replace(steps=10)
     result = run(cfg, progress=False)
     assert result.ranks[0].strategy["dataparallel"] == "emulated on CPU threads"
     phases = result.phases_frame()
@@ -112,6 +123,7 @@ def test_dataparallel_replicas_run_concurrently():
     for _, group in fwd.groupby("step"):
         assert len(group) == 2
         overlapping += group["start"].max() < group["end"].min()
-    assert overlapping >= 8  # nearly every step's two replica forwards overlap in time
+    # A loop over replicas would never overlap; threads do in most steps (scheduling varies).
+    assert overlapping >= 5
     names = set(phases["phase"])
     assert {"dp_replicate", "dp_scatter", "dp_gather"} <= names

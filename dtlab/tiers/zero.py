@@ -7,6 +7,8 @@ all-reduced by DDP exactly as in the ``ddp`` tier.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -14,11 +16,18 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from dtlab.config import RunConfig
 from dtlab.tiers import ddp
 from dtlab.tiers.base import OptimizerFactory
-from dtlab.tiers.ddp import Options, processes
+from dtlab.tiers.ddp import processes
 
 __all__ = ["Options", "Strategy", "processes", "validate"]
 
 SHARDABLE = {"sgd", "adam"}
+
+
+@dataclass(frozen=True)
+class Options(ddp.Options):
+    # Pack each rank's parameters into one buffer, so the post-step broadcast is one
+    # collective per rank instead of one per parameter tensor.
+    parameters_as_bucket_view: bool = False
 
 
 def validate(cfg: RunConfig) -> None:
@@ -31,4 +40,6 @@ def validate(cfg: RunConfig) -> None:
 class Strategy(ddp.Strategy):
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         # build is functools.partial(OptimizerClass, lr=...): ZeRO needs the class and its arguments.
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=build.func, **build.keywords)
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=build.func,
+                                       parameters_as_bucket_view=self.options.parameters_as_bucket_view,
+                                       **build.keywords)
