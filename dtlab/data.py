@@ -105,11 +105,11 @@ class ShardedBatches:
         # floor(floor(N/w)/b) == floor(N/B): every world size has the same epochs.
         self.steps_per_epoch = len(self.sampler) // self.per_rank
         self._epoch = -1
-        self._order: list[int] = []
+        self._order = torch.empty(0, dtype=torch.long)
 
-    def indices(self, step: int) -> list[int]:
+    def indices(self, step: int) -> torch.Tensor:
         epoch, i = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             self.sampler.set_epoch(epoch)
-            self._order, self._epoch = list(self.sampler), epoch
+            self._order, self._epoch = torch.tensor(list(self.sampler), dtype=torch.long), epoch
         return self._order[i * self.per_rank:(i + 1) * self.per_rank]

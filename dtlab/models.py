@@ -110,6 +110,11 @@ def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_clas
     return model
 
 
+def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every prediction (any output rank): the training loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and the number of correct predictions (any output rank)."""
     flat_logits = logits.reshape(-1, logits.shape[-1])

@@ -72,46 +72,51 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     memory: dict[str, int] = {"parameters": param_bytes}
     steps: list[dict[str, float]] = []
     last_report = 0.0
+    phases = recorder.phases
+    clock = time.perf_counter
     for step in range(cfg.steps):
         recorder.step = step
-        t = {p: 0.0 for p in ("data", "forward", "backward", "comm", "optimizer")}
-        t0 = time.perf_counter()
-        with recorder.phase("data"):
-            idx = batches.indices(step)
-            x, y = data.train_x[idx].to(info.device), data.train_y[idx].to(info.device)
-        t["data"] = time.perf_counter() - t0
-        step_loss = 0.0
-        for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        t0 = clock()
+        idx = batches.indices(step)
+        x, y = data.train_x[idx].to(info.device), data.train_y[idx].to(info.device)
+        t_data = clock()
+        phases.append(("data", t0, t_data, step))
+        forward = backward = 0.0
+        step_loss = torch.zeros(())
+        micro_batches = zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else [(x, y)]
+        for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing():
-                a = time.perf_counter()
-                with recorder.phase("forward"), SavedActivations() if step == 0 and micro == 0 else _nothing() as acts:
-                    loss, _ = models.loss_and_correct(model(xm), ym)
-                    loss = loss / accum
+                a = clock()
+                with SavedActivations() if step == 0 and micro == 0 else _nothing() as acts:
+                    loss = models.loss(model(xm), ym)
+                    if accum > 1:
+                        loss = loss / accum
                 if acts is not None:
                     memory["activations"] = acts.bytes(exclude=model.parameters())
-                b = time.perf_counter()
-                with recorder.phase("backward"):
-                    loss.backward()
-                t["forward"] += b - a
-                t["backward"] += time.perf_counter() - b
-            step_loss += loss.item()
-        a = time.perf_counter()
-        with recorder.phase("comm"):
-            strategy.sync_gradients(model)
-        b = time.perf_counter()
-        if step == 0:
+                b = clock()
+                loss.backward()
+                c = clock()
+            phases += [("forward", a, b, step), ("backward", b, c, step)]
+            forward, backward = forward + b - a, backward + c - b
+            step_loss += loss.detach()
+        a = clock()
+        strategy.sync_gradients(model)
+        b = clock()
+        if step == 0:  # step 0 is warm-up, left out of the medians: accounting there costs nothing measured
             memory["gradients"] = gradient_bytes(strategy.unwrap(model))
-        with recorder.phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        c = time.perf_counter()
-        t["comm"], t["optimizer"] = b - a, c - b
-        steps.append({"step": step, "loss": step_loss, "samples": len(idx), **t, "total": c - t0})
+        o = clock()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        c = clock()
+        phases += [("comm", a, b, step), ("optimizer", o, c, step)]
+        loss_value = step_loss.item()
+        steps.append({"step": step, "loss": loss_value, "samples": len(idx), "data": t_data - t0,
+                      "forward": forward, "backward": backward, "comm": b - a, "optimizer": c - o, "total": c - t0})
         if step == 0:
             memory["optimizer_state"] = optimizer_state_bytes(optimizer)
         if info.is_main and (c - last_report > _REPORT_EVERY_S or step == cfg.steps - 1):
-            report(step=step + 1, total=cfg.steps, loss=step_loss, desc=f"{cfg.tier} rank 0")
+            report(step=step + 1, total=cfg.steps, loss=loss_value, desc=f"{cfg.tier} rank 0")
             last_report = c
     recorder.step = cfg.steps
     memory.update(peak_process_bytes(info.device))
