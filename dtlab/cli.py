@@ -99,6 +99,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dtlab.bench import run_all
+
+    only = [n.strip() for n in args.only.split(",")] if args.only else None
+    try:
+        run_all(Path(args.out), quick=args.quick, only=only)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}/summary.md and summary.csv")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_job_args(p_cmp)
     p_cmp.set_defaults(func=cmd_compare)
+    p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")
+    p_bench.add_argument("--quick", action="store_true", help="smoke mode: checks each benchmark runs")
+    p_bench.add_argument("--only", default="", help="comma-separated benchmark names")
+    p_bench.add_argument("--out", default="results/bench", help="output folder")
+    p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
