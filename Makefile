@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 --out results/demo
 
 test: $(STAMP)
-	$(PY) -m ruff check dtlab tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

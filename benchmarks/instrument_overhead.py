@@ -24,7 +24,7 @@ import _common as common
 import cloudpickle
 
 from dtlab.config import RunConfig
-from dtlab.launch import launch
+from dtlab.launcher import launch
 from dtlab.train import run
 
 NAME = "instrument_overhead"

@@ -57,7 +57,7 @@ def evaluate(model: torch.nn.Module, data: datasets.Dataset, device: torch.devic
 
 def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     """Run ``cfg`` as rank ``info.rank``. Called inside each rank process."""
-    from dtlab.launch import report
+    from dtlab.launcher import report
 
     torch.set_num_threads(cfg.resolved_threads)
     # Not started when the launcher records nothing: phases are timed, collectives not.
@@ -151,7 +151,7 @@ def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = T
 
     ``record=False`` switches the CommRecorder off (to measure its overhead).
     """
-    from dtlab.launch import launch
+    from dtlab.launcher import launch
 
     tier = tiers.get(cfg.tier)
     start = time.perf_counter()

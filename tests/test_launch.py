@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dtlab
-from dtlab.launch import _loopback_store
+from dtlab.launcher import _loopback_store
 from tests.conftest import leftover_processes
 
 pytestmark = pytest.mark.usefixtures("no_survivors")

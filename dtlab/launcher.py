@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -37,7 +38,7 @@ LIVE_SLOTS = 5  # per rank: collective count, op code, in flight, entered at, st
 # Imported once in the forkserver, so every rank starts with them loaded (seconds saved per launch).
 # torch._dynamo alone costs 0.7 s: the first optimizer a rank builds imports it.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "cloudpickle", "numpy", "sklearn.datasets",
-            "dtlab.launch", "dtlab.train"]
+            "dtlab.launcher", "dtlab.train"]
 _GRACE_S = 0.5  # after the first failure, time for the victims' reports to arrive
 _forkserver_ready = False
 
@@ -199,7 +200,7 @@ def _op_states(live: np.ndarray, world_size: int, finished: set[int]) -> list[Op
     return states
 
 
-def _tail(path: str, lines: int = 20) -> str:
+def tail_text(path: str, lines: int = 20) -> str:
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
@@ -249,7 +250,7 @@ def launch(
     started = time.perf_counter()
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
-    bar = _ProgressBar(progress)
+    bar = ProgressBar(progress)
     watchdog_note = ""
     try:
         for r in range(world_size):
@@ -276,14 +277,15 @@ def launch(
                     results[rank] = cloudpickle.loads(body)
                 elif kind == "error":
                     failures[rank] = body.to_failure()
-                    failures[rank].log_tail = _tail(log_paths[rank])
+                    failures[rank].log_tail = tail_text(log_paths[rank])
                 elif kind == "progress":
                     bar.update(body)
             now = time.time()
             for r, p in enumerate(procs):
                 silent = p.exitcode is not None and r not in results and r not in failures
                 if silent and not any(readers.get(c) == r for c in readers):
-                    failures[r] = RankFailure(r, "died", time=now, exitcode=p.exitcode, log_tail=_tail(log_paths[r]))
+                    failures[r] = RankFailure(r, "died", time=now, exitcode=p.exitcode,
+                                              log_tail=tail_text(log_paths[r]))
             if failures:
                 first_failure_at = first_failure_at or time.perf_counter()
                 if time.perf_counter() - first_failure_at > _GRACE_S or len(failures) + len(results) == world_size:
@@ -312,8 +314,8 @@ def launch(
         for conn in readers:
             conn.close()
         del store
-    logs = {r: _read(path) for r, path in enumerate(log_paths)}
-    _remove_dir(log_dir)
+    logs = {r: read_text(path) for r, path in enumerate(log_paths)}
+    shutil.rmtree(log_dir, ignore_errors=True)
     if failures:
         ops = _op_states(live, world_size, set(results))
         timed_out = any(f.kind == "timeout" or "timed out" in f.message.lower() for f in failures.values())
@@ -325,7 +327,7 @@ def launch(
     return out
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
             return f.read()
@@ -333,15 +335,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def _remove_dir(path: str) -> None:
-    for name in os.listdir(path):
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(path, name))
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-
-
-class _ProgressBar:
+class ProgressBar:
     """tqdm (notebook-aware) over rank 0's reports, created on the first one."""
 
     def __init__(self, progress: bool | Callable[[dict[str, Any]], None]) -> None:
