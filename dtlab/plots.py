@@ -385,6 +385,33 @@ def predicted_vs_measured(df: pd.DataFrame, tolerance: float = 0.15, log: bool =
     return fig
 
 
+def sweep(df: pd.DataFrame, x: str, y: str, *, title: str, xlabel: str, ylabel: str, logx: bool = True,
+          annotate: str | None = None) -> Figure:
+    """One measured quantity against one knob (bucket size, micro-batches, message size).
+
+    The best (lowest) point is marked; ``annotate`` names a column written beside
+    each point (e.g. the number of buckets a cap gave).
+    """
+    _require(df, (x, y) + ((annotate,) if annotate else ()), "sweep")
+    df = df.sort_values(x)
+    fig = _figure(3.2)
+    ax = fig.subplots()
+    ax.plot(df[x], df[y], marker="o", color="tab:blue")
+    best = df.loc[df[y].idxmin()]
+    ax.plot([best[x]], [best[y]], marker="*", markersize=14, color="tab:red", linestyle="none",
+            label=f"best: {best[x]:g}")
+    if annotate:
+        for xv, yv, note in zip(df[x], df[y], df[annotate]):  # iterrows would turn ints into floats
+            ax.annotate(str(note), (xv, yv), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    if logx:
+        ax.set_xscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.set_ylim(0, float(df[y].max()) * 1.2)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    return fig
+
+
 # -- 8. files ---------------------------------------------------------------------
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     """Write ``fig`` as a PNG at 120 dpi, creating parent folders; returns the path."""

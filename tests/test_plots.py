@@ -184,3 +184,14 @@ def test_save_creates_parents(tmp_path):
 def test_missing_column_is_a_clear_error():
     with pytest.raises(ValueError, match="samples_per_s"):
         plots.speedup(pd.DataFrame({"tier": ["ddp"], "world_size": [1]}))
+
+
+def test_sweep_marks_the_best_point(tmp_path):
+    df = pd.DataFrame({"bucket_cap_mb": [0.001, 0.1, 25.0], "median_step_ms": [9.0, 4.0, 5.0], "buckets": [8, 3, 1]})
+    fig = plots.sweep(df, "bucket_cap_mb", "median_step_ms", title="DDP step time against bucket size",
+                      xlabel="bucket_cap_mb (MB, log)", ylabel="median step time (ms)", annotate="buckets")
+    ax = fig.axes[0]
+    assert "ms" in ax.get_ylabel() and ax.get_xscale() == "log" and ax.get_title()
+    assert ax.get_legend().get_texts()[0].get_text() == "best: 0.1"
+    path = plots.save(fig, tmp_path / "sweep.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

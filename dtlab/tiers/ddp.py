@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtlab.config import RunConfig
 from dtlab.env import resolve_backend
-from dtlab.instrument import recording_hook
+from dtlab.instrument import allreduce_hook, recording_hook
 from dtlab.syncbn import convert_sync_batchnorm
 from dtlab.tiers import base
 from dtlab.tiers.base import processes
@@ -71,7 +71,7 @@ def comm_hook(options: Options) -> tuple[Any, Any]:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.powersgd_rank,
                                             start_powerSGD_iter=2, random_seed=0)
         return state, powerSGD_hook.powerSGD_hook
-    return None, default_hooks.allreduce_hook
+    return None, allreduce_hook
 
 
 class Strategy(base.Strategy):
@@ -96,7 +96,8 @@ class Strategy(base.Strategy):
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
         state, hook = comm_hook(self.options)
-        self.ddp.register_comm_hook(state, recording_hook(hook))
+        # dtlab's allreduce_hook records itself; the library's hooks are wrapped.
+        self.ddp.register_comm_hook(state, hook if hook is allreduce_hook else recording_hook(hook))
         return self.ddp
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:

@@ -1,0 +1,180 @@
+"""Distributed Checkpoint (DCP): sharded saves that load at any world size.
+
+``save`` writes one file of shards per rank plus a ``.metadata`` file that
+rank 0 writes last; it records every tensor's *global* shape and where each
+piece lies. ``load`` asks for the pieces the loading rank needs under its own
+sharding, so a checkpoint saved by 2 ranks loads into 1 or 4 (DCP reshards on
+load), and one saved by ``ddp`` (full tensors) loads into ``fsdp`` (shards).
+
+Safety: a save goes to a hidden sibling directory and is renamed into place
+only once ``.metadata`` exists, so an interrupted save never replaces the last
+good checkpoint; ``verify`` names what is missing from an incomplete one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["METADATA", "CheckpointError", "latest", "load", "resolve", "save", "step_dir", "verify"]
+
+METADATA = ".metadata"  # DCP's index, written by rank 0 after every rank's shards
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete or does not fit the model."""
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """Where periodic saves put the checkpoint taken after ``step`` optimizer steps."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> dict[str, Any]:
+    # get_state_dict names entries by the plain module's FQNs (no DDP "module." prefix,
+    # no FSDP wrapper), so every tier's checkpoint has the same keys.
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    state["dtlab"] = {"step": step, "world_size": world}
+    return state
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+         directory: str | os.PathLike[str]) -> Path:
+    """Save model (and optimizer) state after ``step`` steps; a collective: every rank calls it.
+
+    Written to ``.<name>.incomplete`` beside ``directory`` and renamed into place
+    when complete. An existing checkpoint of the same name is moved aside first
+    and deleted only after the new one is in place.
+    """
+    target = Path(directory).absolute()
+    tmp = target.with_name(f".{target.name}.incomplete")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        tmp.mkdir(parents=True)
+    _barrier()  # nobody writes into tmp before rank 0 has cleared it
+    dcp.save(_state(model, optimizer, step), checkpoint_id=tmp)
+    # dcp.save returns on every rank only after rank 0 wrote .metadata: the save is complete.
+    if _rank() == 0:
+        if target.exists():
+            old = target.with_name(f".{target.name}.replaced")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)  # atomic: the checkpoint appears whole or not at all
+    _barrier()  # no rank goes on (and maybe loads) before the rename
+    return target
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The complete ``step-*`` checkpoint with the highest step under ``root`` (None if none)."""
+    best: tuple[int, Path] | None = None
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / METADATA).is_file() and (best is None or int(match[1]) > best[0]):
+            best = (int(match[1]), child)
+    return best[1] if best else None
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory, or a folder of ``step-*`` checkpoints (its latest), verified."""
+    path = Path(path)
+    if path.is_dir() and not (path / METADATA).exists() and not any(path.glob("*.distcp")):
+        found = latest(path)
+        if found is not None:
+            path = found
+    verify(path)
+    return path
+
+
+def verify(directory: str | os.PathLike[str]) -> Any:
+    """Check that ``directory`` is a complete dtlab checkpoint; return its DCP metadata.
+
+    Raises CheckpointError naming what is missing: the directory, ``.metadata``
+    (the save never finished), a shard file the metadata lists, or bytes of one.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such directory")
+    if not (path / METADATA).is_file():
+        partial = sorted(p.name for p in path.glob("*.distcp"))
+        found = f" (it holds only {', '.join(partial)})" if partial else ""
+        raise CheckpointError(f"checkpoint {path} is incomplete: {METADATA} is missing{found}; rank 0 writes it "
+                              f"last, so the save that made it did not finish")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated or overwritten pickle
+        raise CheckpointError(f"checkpoint {path}: {METADATA} is unreadable ({type(exc).__name__}: {exc})") from exc
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not (path / name).is_file())
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing "
+                              f"(listed in {METADATA})")
+    for name, end in sorted(needed.items()):
+        size = (path / name).stat().st_size
+        if size < end:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {size} bytes, {METADATA} "
+                                  f"expects at least {end}")
+    if "dtlab.step" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {path} is not a dtlab checkpoint: it has no 'dtlab.step' entry")
+    return metadata
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str]) -> int:
+    """Load a checkpoint into ``model`` (and ``optimizer``) under their current sharding.
+
+    A collective: every rank calls it. Returns the step it was saved after.
+    ``directory`` may also be a folder of ``step-*`` checkpoints (the latest loads).
+    """
+    path = resolve(directory)
+    metadata = verify(path)
+    if optimizer is not None and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None")
+    state = _state(model, optimizer, step=-1)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP wraps per-rank failures; the first line says which key
+        message = str(exc).strip().splitlines()
+        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
+                              f"{message[-1] if message else type(exc).__name__}") from exc
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["dtlab"]["step"])
+

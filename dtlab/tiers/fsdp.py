@@ -1,0 +1,272 @@
+"""Tier: FSDP2 (``fully_shard``) -- parameters, gradients and optimizer state all sharded.
+
+Where ``zero`` shards only the optimizer state, ``fully_shard`` turns every
+parameter into a DTensor of which each rank holds a 1/world_size slice. A
+*unit* (a block with its own ``fully_shard`` call) all-gathers its full
+parameters just before its forward, frees them after it
+(``reshard_after_forward``), all-gathers them again for its backward and
+reduce-scatters the gradients, so each rank keeps only its slice of the
+gradient too. The optimizer then steps local slices: no broadcast is needed.
+
+Units: for the charformer each ``Block`` of ``model.blocks`` plus the root
+(embeddings, final norm and head); for an ``nn.Sequential`` (mlp, cnn) each
+child with parameters; any other model is one unit, the root.
+
+On CPU FSDP2 runs its collectives synchronously in the training thread (its
+overlap comes from CUDA streams), so every all-gather and reduce-scatter is
+exposed; ``comm_exposure`` measures that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtlab import checkpoint
+from dtlab.config import RunConfig
+from dtlab.env import resolve_backend
+from dtlab.instrument import active
+from dtlab.tiers import base
+from dtlab.tiers.base import OptimizerFactory, processes
+
+__all__ = ["MIXED_PRECISION", "Options", "Strategy", "comm_exposure", "processes", "shard_units", "validate"]
+
+MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Options:
+    # Free each unit's gathered parameters after its forward (and gather them again
+    # for backward): less memory, one more all-gather per unit and step.
+    reshard_after_forward: bool = True
+    # "bf16"/"fp16": all-gather and compute in that dtype; gradients are reduced and
+    # the sharded parameters kept in fp32.
+    mixed_precision: str = "none"
+    cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step live on the CPU
+    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
+    checkpoint_every: int = 0  # save every k steps (0: only after the last step, if checkpoint_dir is set)
+    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+
+
+def validate(cfg: RunConfig) -> None:
+    o = cfg.tier_options
+    name = f"{cfg.tier} tier_options"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"the {cfg.tier} tier needs torch.distributed.fsdp.fully_shard (torch >= 2.6); "
+                         f"this is torch {torch.__version__}") from exc
+    for field in ("reshard_after_forward", "cpu_offload"):
+        if not isinstance(getattr(o, field), bool):
+            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: must be True or False")
+    if o.mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"{name}.mixed_precision={o.mixed_precision!r} is invalid: choose one of "
+                         f"{', '.join(MIXED_PRECISION)}")
+    _, device = resolve_backend(cfg.backend, cfg.device)
+    if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
+    if not isinstance(o.checkpoint_every, int) or isinstance(o.checkpoint_every, bool) or o.checkpoint_every < 0:
+        raise ValueError(f"{name}.checkpoint_every={o.checkpoint_every!r} is invalid: must be an integer >= 0")
+    if o.checkpoint_every and not o.checkpoint_dir:
+        raise ValueError(f"{name}.checkpoint_every={o.checkpoint_every} needs checkpoint_dir to save into")
+    if o.resume_from:
+        try:
+            checkpoint.resolve(o.resume_from)
+        except checkpoint.CheckpointError as exc:
+            raise ValueError(f"{name}.resume_from={o.resume_from!r} is invalid: {exc}") from exc
+
+
+def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules that get their own ``fully_shard`` (the root gets one too), in forward order."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+        return [(f"blocks.{i}", block) for i, block in enumerate(blocks)]
+    if isinstance(model, nn.Sequential):
+        return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+    return []
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model's structure with parameters and buffers on the meta device (no memory)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> None:
+    """Route each unit's all-gather and reduce-scatter through the CommRecorder's wrapped functions.
+
+    FSDP2 in torch 2.13 calls ``dist.all_gather_single`` and ``dist.reduce_scatter_single``,
+    which the recorder does not wrap; the custom comms call the equivalent
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and tag each event
+    ``fsdp:<pass>:<unit>`` (as ddp's comm hook tags its buckets).
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:  # older FSDP2 calls all_gather_into_tensor itself: the recorder sees it as is
+        return
+
+    class RecordedAllGather(DefaultAllGather):
+        def __init__(self, unit: str) -> None:
+            self.unit = unit
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            rec = active()
+            if rec is None:
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            with rec.tagged(f"fsdp:{pass_of['now']}:{self.unit}"):
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class RecordedReduceScatter(DefaultReduceScatter):
+        def __init__(self, unit: str) -> None:
+            self.unit = unit
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            rec = active()
+            if rec is None:
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            with rec.tagged(f"fsdp:backward:{self.unit}"):
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    for module, unit in units.items():
+        if hasattr(module, "set_custom_all_gather"):
+            module.set_custom_all_gather(RecordedAllGather(unit))
+            module.set_custom_reduce_scatter(RecordedReduceScatter(unit))
+
+
+class Strategy(base.Strategy):
+    def __init__(self, cfg: RunConfig, info: Any) -> None:
+        super().__init__(cfg, info)
+        self.options: Options = cfg.tier_options
+        self.start_step = 0  # > 0 after resume_from: the step the checkpoint was saved after
+        self.steps_done = 0  # optimizer steps taken in this run
+        self.units: list[str] = []
+        self.saved: list[str] = []
+        self._template: nn.Module | None = None
+        self._full: tuple[int, nn.Module] | None = None
+        self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
+
+    # -- set-up -------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self._template = _meta_copy(model)  # a plain twin to gather the full parameters into at the end
+        mesh = init_device_mesh(self.info.device.type, (self.info.world_size,))
+        dtype = MIXED_PRECISION[self.options.mixed_precision]
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                  output_dtype=torch.float32 if dtype else None)
+        # Pinned memory needs CUDA; on CPU the shards are host memory already.
+        offload = CPUOffloadPolicy(pin_memory=self.info.device.type == "cuda") if self.options.cpu_offload \
+            else OffloadPolicy()
+        # The same reshard_after_forward for the root too (FSDP2's default keeps the root
+        # gathered), so that every unit gathers exactly twice per step when it is True.
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.options.reshard_after_forward, mp_policy=mp,
+                      offload_policy=offload)
+        units = shard_units(model)
+        owned = {id(p) for _, unit in units for p in unit.parameters()}
+        named = {unit: name for name, unit in units}
+        if any(id(p) not in owned for p in model.parameters()):
+            named[model] = "root"  # the root's own unit: whatever no block owns
+        for _, unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)  # always: the root schedules the others
+        self.units = list(named.values())
+        _recording_comms(named, self._pass)
+
+        def forward_starts(*_: Any) -> None:
+            self._pass["now"] = "forward"
+
+        def backward_follows(*_: Any) -> None:
+            self._pass["now"] = "backward"  # whatever is gathered from now until the next forward
+
+        # prepend: before FSDP's own root pre-forward hook, which gathers the root unit
+        model.register_forward_pre_hook(forward_starts, prepend=True)
+        model.register_forward_hook(backward_follows)
+        return model
+
+    def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
+        if self.options.resume_from:
+            self.start_step = checkpoint.load(model, optimizer, self.options.resume_from)
+            for group in optimizer.param_groups:
+                group.update(build.keywords)  # this run's hyperparameters, not the checkpoint's
+        # After the load: DCP initialises an empty optimizer's state with a step at lr=0.
+        optimizer.register_step_post_hook(lambda opt, *_: self._after_step(model, opt))
+        return optimizer
+
+    def _after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.steps_done += 1
+        step = self.start_step + self.steps_done
+        o = self.options
+        if o.checkpoint_dir and ((o.checkpoint_every and step % o.checkpoint_every == 0) or self._finished()):
+            rec = active()
+            with rec.tagged("checkpoint") if rec is not None else contextlib.nullcontext():
+                path = checkpoint.save(model, optimizer, step, checkpoint.step_dir(o.checkpoint_dir, step))
+            self.saved.append(str(path))
+
+    def _finished(self) -> bool:
+        return self.start_step + self.steps_done >= self.cfg.steps
+
+    # -- what the loop reads back ---------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """During training: the sharded model itself (its memory is counted from the local
+        shards). After the last step: a plain full copy, gathered once on every rank --
+        a collective, so the loop calls it on all ranks -- which rank 0 can then evaluate
+        alone and whose state_dict() and parameters() are the full tensors."""
+        if not self._finished() or self._template is None:
+            return model
+        if self._full is None or self._full[0] != self.steps_done:
+            self._full = (self.steps_done, self._gather(model))
+        return self._full[1]
+
+    def _gather(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        plain = copy.deepcopy(self._template).to_empty(device=self.info.device)
+        plain.load_state_dict(full, strict=False)
+        live = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, buf in plain.named_buffers():  # non-persistent buffers are not in the state dict
+                buf.copy_(live[name])
+        missing = set(dict(plain.named_parameters())) - set(full)
+        if missing:
+            raise RuntimeError(f"fsdp: the gathered state has no {sorted(missing)}")
+        return plain.train(model.training)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fsdp_units": self.units, "num_units": len(self.units),
+                               "reshard_after_forward": self.options.reshard_after_forward,
+                               "mixed_precision": self.options.mixed_precision,
+                               "cpu_offload": self.options.cpu_offload}
+        if self.options.resume_from:
+            out["resumed_from_step"] = self.start_step
+        if self.saved:
+            out["checkpoints"] = self.saved
+        return out
+
+
+def comm_exposure(result: Any) -> Any:
+    """Per (rank, step, op): seconds in the collective and how much of it the training thread waited.
+
+    A synchronous collective blocks the thread for its whole duration; an async one only
+    for its ``wait_s``. ``hidden_s`` is the rest: time it ran while the thread computed.
+    """
+    df = result.events_frame()
+    df = df[df["step"] >= 0].copy()
+    df["blocked_s"] = df["duration_s"].where(~df["async"].astype(bool), df["wait_s"])
+    df["hidden_s"] = (df["duration_s"] - df["blocked_s"]).clip(lower=0)
+    return df.groupby(["rank", "step", "op"])[["duration_s", "blocked_s", "hidden_s"]].sum().reset_index()
+
