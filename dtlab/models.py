@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.data import Dataset
+
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, width: int = 64, depth: int = 2) -> nn.Module:
     layers: list[nn.Module] = [nn.Flatten()]
@@ -122,3 +124,20 @@ def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.
     loss = F.cross_entropy(flat_logits, flat_target)
     correct = (flat_logits.argmax(-1) == flat_target).sum()
     return loss, correct
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device,
+             batch: int = 512) -> dict[str, float]:
+    """Held-out mean loss and accuracy on the test split, in eval mode."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, targets = 0.0, 0, 0
+    for i in range(0, len(data.test_x), batch):
+        x, y = data.test_x[i:i + batch].to(device), data.test_y[i:i + batch].to(device)
+        loss, right = loss_and_correct(model(x), y)
+        total_loss += loss.item() * y.numel()
+        correct += int(right)
+        targets += y.numel()
+    model.train(was_training)
+    return {"loss": total_loss / targets, "accuracy": correct / targets}

@@ -98,8 +98,11 @@ class RunResult:
         return pd.DataFrame(rows)
 
     def loss_curve(self) -> Any:
-        """The global training loss per step: the mean of the ranks' equal-sized shares."""
-        return self.steps_frame().groupby("step")["loss"].mean()
+        """The global training loss per step: the mean of the ranks' equal-sized shares.
+
+        Ranks that compute no loss (early pipeline stages) report NaN and are left out.
+        """
+        return self.steps_frame().groupby("step")["loss"].mean()  # mean() skips NaN
 
     def events_frame(self) -> Any:
         from dtlab.instrument import events_frame

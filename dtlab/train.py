@@ -39,22 +39,6 @@ def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, da
     return model, data
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: datasets.Dataset, device: torch.device,
-             batch: int = 512) -> dict[str, float]:
-    was_training = model.training
-    model.eval()
-    total_loss, correct, targets = 0.0, 0, 0
-    for i in range(0, len(data.test_x), batch):
-        x, y = data.test_x[i:i + batch].to(device), data.test_y[i:i + batch].to(device)
-        loss, right = models.loss_and_correct(model(x), y)
-        total_loss += loss.item() * y.numel()
-        correct += int(right)
-        targets += y.numel()
-    model.train(was_training)
-    return {"loss": total_loss / targets, "accuracy": correct / targets}
-
-
 def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     """Run ``cfg`` as rank ``info.rank``. Called inside each rank process."""
     from dtlab.launcher import report
@@ -84,6 +68,12 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
         forward = backward = 0.0
         step_loss = torch.zeros(())
         micro_batches = zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else [(x, y)]
+        if strategy.custom_step:  # e.g. a pipeline schedule: forward and backward interleave
+            a = clock()
+            step_loss = strategy.run_step(model, x, y)
+            b = clock()
+            phases.append(("forward_backward", a, b, step))
+            forward, micro_batches = b - a, []
         for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing():
@@ -110,7 +100,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
         optimizer.zero_grad(set_to_none=True)
         c = clock()
         phases += [("comm", a, b, step), ("optimizer", o, c, step)]
-        loss_value = step_loss.item()
+        loss_value = float(step_loss)  # NaN on ranks that compute no loss (early pipeline stages)
         steps.append({"step": step, "loss": loss_value, "samples": len(idx), "data": t_data - t0,
                       "forward": forward, "backward": backward, "comm": b - a, "optimizer": c - o, "total": c - t0})
         if step == 0:
@@ -120,9 +110,10 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
             last_report = c
     recorder.step = cfg.steps
     memory.update(peak_process_bytes(info.device))
-    plain = strategy.unwrap(model)
-    state = plain.state_dict()
-    checksum = float(sum(p.detach().double().sum() for p in plain.parameters()))
+    # Both are called on every rank: a sharded tier gathers the full state (a collective) here.
+    state = strategy.full_state_dict(model)
+    evaluation = strategy.evaluate(model, data)
+    checksum = float(sum(t.detach().double().sum() for t in state.values() if t.is_floating_point()))
     return RankResult(
         rank=info.rank,
         steps=steps,
@@ -131,7 +122,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
         phases=recorder.phase_rows(),
         params_checksum=checksum,
         params=params_to_bytes(state) if info.is_main else None,
-        evaluation=evaluate(plain, data, info.device) if info.is_main else {},
+        evaluation=evaluation,
         strategy=strategy.describe(),
         provenance=provenance(info.backend, cfg.resolved_threads),
     )
@@ -154,6 +145,8 @@ def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = T
     from dtlab.launcher import launch
 
     tier = tiers.get(cfg.tier)
+    if hasattr(tier, "run"):  # a tier with its own processes (RPC: servers and trainers)
+        return tier.run(cfg, progress=progress, record=record)
     start = time.perf_counter()
     out = launch(train, tier.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
                  timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record)

@@ -16,6 +16,7 @@ TIERS: dict[str, str] = {
     "ddp-naive": "dtlab.tiers.ddp_naive",
     "ddp": "dtlab.tiers.ddp",
     "zero": "dtlab.tiers.zero",
+    "fsdp": "dtlab.tiers.fsdp",
 }
 
 

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from dtlab.config import RunConfig
+from dtlab.data import Dataset
 from dtlab.env import DistInfo
+from dtlab.models import evaluate
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -27,6 +29,7 @@ class NoOptions:
 
 class Strategy:
     accumulation_steps = 1
+    custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
@@ -48,6 +51,23 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module, for evaluation and the final parameters."""
         return model
+
+    def run_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a whole step, for tiers that set ``custom_step``.
+
+        Returns this rank's loss (a 0-d tensor; NaN where the rank computes none).
+        """
+        raise NotImplementedError
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state, complete at least on rank 0. Called on every rank."""
+        return self.unwrap(model).state_dict()
+
+    def evaluate(self, model: nn.Module, data: Dataset) -> dict[str, float]:
+        """Held-out loss and accuracy, reported by rank 0. Called on every rank."""
+        if not self.info.is_main:
+            return {}
+        return evaluate(self.unwrap(model), data, self.info.device)
 
     def describe(self) -> dict[str, Any]:
         """Facts about what ran, for the result (e.g. real or emulated DP)."""
