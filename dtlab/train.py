@@ -51,7 +51,8 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     param_bytes = parameter_bytes(model)
     model = strategy.wrap(model)
     optimizer = strategy.make_optimizer(model, optimizer_factory(cfg))
-    batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, info.rank, info.world_size, cfg.seed)
+    batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, strategy.data_rank, strategy.data_world,
+                                      cfg.seed)
     accum = strategy.accumulation_steps
     memory: dict[str, int] = {"parameters": param_bytes}
     steps: list[dict[str, float]] = []

@@ -33,6 +33,9 @@ class Strategy:
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
+        # Which share of each global batch this rank trains on: data-parallel tiers
+        # split it over all ranks; a pipeline feeds the whole batch through every stage.
+        self.data_rank, self.data_world = info.rank, info.world_size
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Apply the strategy to the unchanged model."""

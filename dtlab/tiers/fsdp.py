@@ -30,8 +30,10 @@ from torch import nn
 
 from dtlab import checkpoint
 from dtlab.config import RunConfig
+from dtlab.data import Dataset
 from dtlab.env import resolve_backend
 from dtlab.instrument import active
+from dtlab.models import evaluate
 from dtlab.tiers import base
 from dtlab.tiers.base import OptimizerFactory, processes
 
@@ -154,7 +156,7 @@ class Strategy(base.Strategy):
         self.units: list[str] = []
         self.saved: list[str] = []
         self._template: nn.Module | None = None
-        self._full: tuple[int, nn.Module] | None = None
+        self._full: dict[str, torch.Tensor] | None = None  # gathered state, until the next step
         self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
 
     # -- set-up -------------------------------------------------------------------
@@ -162,7 +164,7 @@ class Strategy(base.Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        self._template = _meta_copy(model)  # a plain twin to gather the full parameters into at the end
+        self._template = _meta_copy(model)  # a plain twin that rank 0 evaluates with the full parameters
         mesh = init_device_mesh(self.info.device.type, (self.info.world_size,))
         dtype = MIXED_PRECISION[self.options.mixed_precision]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
@@ -208,42 +210,44 @@ class Strategy(base.Strategy):
 
     def _after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.steps_done += 1
+        self._full = None
         step = self.start_step + self.steps_done
         o = self.options
-        if o.checkpoint_dir and ((o.checkpoint_every and step % o.checkpoint_every == 0) or self._finished()):
+        last = step >= self.cfg.steps
+        if o.checkpoint_dir and ((o.checkpoint_every and step % o.checkpoint_every == 0) or last):
             rec = active()
             with rec.tagged("checkpoint") if rec is not None else contextlib.nullcontext():
                 path = checkpoint.save(model, optimizer, step, checkpoint.step_dir(o.checkpoint_dir, step))
             self.saved.append(str(path))
 
-    def _finished(self) -> bool:
-        return self.start_step + self.steps_done >= self.cfg.steps
+    # -- what the loop reads back (on every rank) --------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded state on every rank (a collective), so all ranks' checksums agree."""
+        if self._full is None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    # -- what the loop reads back ---------------------------------------------------
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """During training: the sharded model itself (its memory is counted from the local
-        shards). After the last step: a plain full copy, gathered once on every rank --
-        a collective, so the loop calls it on all ranks -- which rank 0 can then evaluate
-        alone and whose state_dict() and parameters() are the full tensors."""
-        if not self._finished() or self._template is None:
-            return model
-        if self._full is None or self._full[0] != self.steps_done:
-            self._full = (self.steps_done, self._gather(model))
-        return self._full[1]
+            self._full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return self._full
 
-    def _gather(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def evaluate(self, model: nn.Module, data: Dataset) -> dict[str, float]:
+        """Rank 0 evaluates a plain copy holding the gathered parameters: no collective per batch."""
+        state = self.full_state_dict(model)  # every rank takes part in the gather
+        if not self.info.is_main:
+            return {}
+        return evaluate(self.plain_copy(model, state), data, self.info.device)
 
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    def plain_copy(self, model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+        """An ordinary module (the unwrapped class) with the full parameters in ``state``."""
+        assert self._template is not None, "wrap() first"
         plain = copy.deepcopy(self._template).to_empty(device=self.info.device)
-        plain.load_state_dict(full, strict=False)
+        plain.load_state_dict(state, strict=False)
         live = dict(model.named_buffers())
         with torch.no_grad():
             for name, buf in plain.named_buffers():  # non-persistent buffers are not in the state dict
                 buf.copy_(live[name])
-        missing = set(dict(plain.named_parameters())) - set(full)
+        missing = set(dict(plain.named_parameters())) - set(state)
         if missing:
-            raise RuntimeError(f"fsdp: the gathered state has no {sorted(missing)}")
+            raise RuntimeError(f"fsdp: the gathered state lacks {sorted(missing)}")
         return plain.train(model.training)
 
     def describe(self) -> dict[str, Any]:
