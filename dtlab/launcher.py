@@ -127,6 +127,19 @@ def _loopback_store(world_size: int, timeout_s: float) -> Any:
     return store, port
 
 
+def call_recorded(fn: Callable[..., Any], info: Any, args: tuple, record: bool, live: Any = None) -> Any:
+    """``fn(info, *args)`` with this process's CommRecorder on (unless ``record`` is False)."""
+    from dtlab.instrument import CommRecorder
+
+    recorder = CommRecorder(info.rank, live=live)
+    if record:
+        recorder.start()
+    try:
+        return fn(info, *args)
+    finally:
+        recorder.stop()
+
+
 def _rank_main(payload: bytes, args_payload: bytes, rank: int, world_size: int, port: int, conn: Any,
                live_buffer: Any, log_path: str, options: dict[str, Any]) -> None:
     """Body of every rank process."""
@@ -148,7 +161,6 @@ def _rank_main(payload: bytes, args_payload: bytes, rank: int, world_size: int, 
         import torch.distributed as dist
 
         from dtlab.env import DistInfo
-        from dtlab.instrument import CommRecorder
 
         live = np.frombuffer(live_buffer, dtype=np.float64)[rank * LIVE_SLOTS:(rank + 1) * LIVE_SLOTS]
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, False,
@@ -157,13 +169,7 @@ def _rank_main(payload: bytes, args_payload: bytes, rank: int, world_size: int, 
         fn_args = cloudpickle.loads(args_payload)
         info = DistInfo.init(options["backend"], options["device"], options["timeout_s"],
                              store=store, rank=rank, world_size=world_size)
-        recorder = CommRecorder(rank, live=live)
-        if options.get("record", True):
-            recorder.start()
-        try:
-            value = fn(info, *fn_args)
-        finally:
-            recorder.stop()
+        value = call_recorded(fn, info, fn_args, options.get("record", True), live)
         conn.send(("ok", cloudpickle.dumps(value)))
         DistInfo.cleanup()
     except BaseException as exc:  # report everything, KeyboardInterrupt included

@@ -60,16 +60,9 @@ def main(workdir: Path) -> int:
         launcher._rank_conn, launcher._rank_id = _ProgressFile(progress_path(workdir)), 0
     try:
         from dtlab.env import DistInfo
-        from dtlab.instrument import CommRecorder
 
         info = DistInfo.init(options["backend"], options["device"], options["timeout_s"])
-        recorder = CommRecorder(rank)
-        if options.get("record", True):
-            recorder.start()
-        try:
-            value = fn(info, *args)
-        finally:
-            recorder.stop()
+        value = launcher.call_recorded(fn, info, args, options.get("record", True))
         _atomic_write(result_path(workdir, rank), cloudpickle.dumps(value))
         DistInfo.cleanup()
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
