@@ -160,6 +160,10 @@ def _rank_main(payload: bytes, args_payload: bytes, rank: int, world_size: int, 
     try:
         import torch.distributed as dist
 
+        # The forkserver imported torch before this environment existed; c10d reads
+        # TORCH_DISTRIBUTED_DEBUG at import, so read it again.
+        dist.set_debug_level_from_env()
+
         from dtlab.env import DistInfo
 
         live = np.frombuffer(live_buffer, dtype=np.float64)[rank * LIVE_SLOTS:(rank + 1) * LIVE_SLOTS]

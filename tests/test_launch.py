@@ -224,3 +224,16 @@ def test_shutdown_leaves_no_process_at_all():
              if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive
     assert dtlab.launch(rank_sum, 2, args=(1,), progress=False)[0]["sum"] == 3.0  # and it starts again
+
+
+def mismatched_shapes(info):
+    dist.all_reduce(torch.ones(4 + info.rank))
+
+
+def test_debug_detail_names_mismatched_shapes():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL reaches ranks started from a forkserver that imported torch before."""
+    with pytest.raises(dtlab.RankError) as info:
+        dtlab.launch(mismatched_shapes, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout_s=10, progress=False)
+    text = str(info.value)
+    assert "Detected mismatch between collectives" in text
+    assert "TensorShape=[4]" in text and "TensorShape=[5]" in text
