@@ -8,7 +8,7 @@ from dtlab.config import RunConfig
 from dtlab.env import DistInfo, environment_report
 from dtlab.failures import CollectiveTimeout, RankError
 from dtlab.instrument import CommRecorder
-from dtlab.launcher import launch, report, shutdown
+from dtlab.launcher import LaunchStopped, launch, report, shutdown
 from dtlab.results import RunResult
 from dtlab.train import run
 
@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveTimeout",
     "CommRecorder",
     "DistInfo",
+    "LaunchStopped",
     "RankError",
     "RunConfig",
     "RunResult",

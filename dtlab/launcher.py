@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -47,6 +48,10 @@ _rank_conn: Any = None
 _rank_id: int | None = None
 
 
+class LaunchStopped(RuntimeError):
+    """The caller asked a running launch to stop; every rank was killed."""
+
+
 class LaunchResult(list):
     """The ranks' return values in rank order, plus each rank's output."""
 
@@ -55,10 +60,14 @@ class LaunchResult(list):
 
 
 def report(**progress: Any) -> None:
-    """Send progress (e.g. step=3, total=50, loss=0.7) from rank 0 to the launcher."""
-    if _rank_conn is not None and _rank_id == 0:
+    """Send progress (e.g. step=3, total=50, loss=0.7) from this rank to the launcher.
+
+    A ``progress`` callable given to ``launch`` receives every rank's reports (with
+    ``rank`` added); the tqdm bar follows rank 0's.
+    """
+    if _rank_conn is not None:
         with contextlib.suppress(OSError):
-            _rank_conn.send(("progress", progress))
+            _rank_conn.send(("progress", {**progress, "rank": _rank_id}))
 
 
 def _context(start_method: str) -> mp.context.BaseContext:
@@ -231,13 +240,16 @@ def launch(
     progress: bool | Callable[[dict[str, Any]], None] = True,
     record: bool = True,
     env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> LaunchResult:
     """Run ``fn(info, *args)`` on ``world_size`` ranks and return their results.
 
     ``timeout_s`` bounds how long a rank may wait in one collective (the process
     group timeout, and the launcher's watchdog a little later); ``deadline_s``
     optionally bounds the whole launch. ``progress`` shows rank 0's
-    ``report()`` calls with tqdm, or passes them to a callable.
+    ``report()`` calls with tqdm, or passes them to a callable. Setting the
+    ``stop`` event (from another thread: a widget's Stop button) kills every rank
+    and raises ``LaunchStopped``.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid: must be an integer >= 1")
@@ -309,13 +321,15 @@ def launch(
                 for s in hung:
                     failures[s.rank] = RankFailure(s.rank, "timeout", message=s.describe(), time=now)
                 break
+            if stop is not None and stop.is_set():
+                raise LaunchStopped(f"stopped on request after {time.perf_counter() - started:.1f} s")
             if deadline_s is not None and time.perf_counter() - started > deadline_s:
                 watchdog_note = f"the launch ran past deadline_s={deadline_s:g} s and was stopped"
                 for r in range(world_size):
                     if r not in results:
                         failures[r] = RankFailure(r, "timeout", message="still running at the deadline", time=now)
                 break
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, LaunchStopped):
         _kill_all(procs)
         raise
     finally:
@@ -356,7 +370,7 @@ class ProgressBar:
         if callable(self.progress):
             self.progress(info)
             return
-        if not self.progress or "step" not in info:
+        if not self.progress or "step" not in info or info.get("rank", 0) != 0:
             return
         if self.bar is None:
             from tqdm.auto import tqdm

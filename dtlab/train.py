@@ -8,6 +8,7 @@ are made consistent; the loop only calls the Strategy's hooks.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -106,8 +107,9 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
                       "forward": forward, "backward": backward, "comm": b - a, "optimizer": c - o, "total": c - t0})
         if step == 0:
             memory["optimizer_state"] = optimizer_state_bytes(optimizer)
-        if info.is_main and (c - last_report > _REPORT_EVERY_S or step == cfg.steps - 1):
-            report(step=step + 1, total=cfg.steps, loss=loss_value, desc=f"{cfg.tier} rank 0")
+        if c - last_report > _REPORT_EVERY_S or step == cfg.steps - 1:
+            report(step=step + 1, total=cfg.steps, loss=loss_value, desc=f"{cfg.tier} rank 0",
+                   samples_per_s=len(idx) * info.world_size / (c - t0))
             last_report = c
     recorder.step = cfg.steps
     memory.update(peak_process_bytes(info.device))
@@ -138,10 +140,11 @@ class _nothing:  # noqa: N801 - reads like contextlib.nullcontext, but yields No
 
 
 def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = True,
-        start_method: str = "forkserver", record: bool = True) -> RunResult:
+        start_method: str = "forkserver", record: bool = True, stop: threading.Event | None = None) -> RunResult:
     """Run a job on its tier and collect every rank's result.
 
-    ``record=False`` switches the CommRecorder off (to measure its overhead).
+    ``record=False`` switches the CommRecorder off (to measure its overhead);
+    setting ``stop`` from another thread ends the run (``LaunchStopped``).
     """
     from dtlab.launcher import launch
 
@@ -150,5 +153,6 @@ def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = T
         return tier.run(cfg, progress=progress, record=record)
     start = time.perf_counter()
     out = launch(train, tier.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
-                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record)
+                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record,
+                 stop=stop)
     return RunResult(cfg, list(out), time.perf_counter() - start, out.logs)

@@ -204,7 +204,8 @@ def prints_and_reports(info):
 def test_progress_reaches_the_caller_and_output_is_kept():
     seen = []
     out = dtlab.launch(prints_and_reports, 2, progress=seen.append)
-    assert [s["step"] for s in seen] == [1, 2, 3]  # rank 0 only
+    assert [s["step"] for s in seen if s["rank"] == 0] == [1, 2, 3]
+    assert sorted({s["rank"] for s in seen}) == [0, 1]  # every rank's reports reach a callable
     assert "hello from rank 0" in out.logs[0] and "hello from rank 1" in out.logs[1]
 
 
@@ -237,3 +238,13 @@ def test_debug_detail_names_mismatched_shapes():
     text = str(info.value)
     assert "Detected mismatch between collectives" in text
     assert "TensorShape=[4]" in text and "TensorShape=[5]" in text
+
+
+def test_stop_event_ends_a_launch_from_another_thread():
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(dtlab.LaunchStopped):
+        dtlab.launch(sleeps, 2, progress=False, stop=stop)
+    assert time.perf_counter() - t0 < 8
+    assert not leftover_processes()
