@@ -12,6 +12,14 @@ from dtlab.launcher import LaunchStopped, launch, report, shutdown
 from dtlab.results import RunResult
 from dtlab.train import run
 
+
+def __getattr__(name: str):  # dtlab.widgets on first use: ipywidgets is a notebook extra
+    if name == "widgets":
+        import importlib
+
+        return importlib.import_module("dtlab.widgets")
+    raise AttributeError(f"module 'dtlab' has no attribute {name!r}")
+
 __all__ = [
     "CollectiveTimeout",
     "CommRecorder",

@@ -70,7 +70,8 @@ class Lab:
         self.batch = w.IntText(value=defaults.get("global_batch_size", 64), description="global batch", style=style)
         self.steps = w.IntSlider(value=defaults.get("steps", 40), min=5, max=500, step=5, description="steps",
                                  style=style)
-        self.bucket = w.FloatLogSlider(value=25.0, base=10, min=-4, max=2, description="bucket MB", style=style)
+        self.bucket = w.FloatLogSlider(value=25.0, base=10, min=-4, max=2, step=0.1, readout_format=".3g",
+                                       description="bucket MB", style=style)
         self.hook = w.Dropdown(options=["allreduce", "fp16", "bf16", "powersgd"], description="comm hook", style=style)
         # Shown, and explained, but off until the tiers that use them exist.
         self.link = w.Dropdown(options=["loopback"], description="link cap", disabled=True, style=style)
@@ -204,6 +205,8 @@ class Lab:
             return
         finally:
             self.run_button.disabled, self.stop_button.disabled = False, True
+        if live:
+            self.live.value = _png(self._live_figure(live, throughput))  # the last points too
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = result.save(self.history / f"{stamp}-{cfg.tier}-w{cfg.world_size}")
         self._show_result(result, folder)

@@ -1,0 +1,112 @@
+"""As a person would: JupyterLab in headless Chromium runs notebook 10, changes the tier, presses Run.
+
+Needs Debian's chromium and the playwright package (its own browser download is
+not used: Playwright drives /usr/bin/chromium). Where they are missing the test
+is skipped with the reason — except under CI=true, where a skip is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# Flags from the machine's notes: no sandbox as root, and no background networking on a closed network.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return "Debian's chromium is not installed (apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def jupyter_lab(tmp_path):
+    reason = _missing()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"browser test cannot run under CI: {reason}")
+        pytest.skip(reason)
+    work = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", work)
+    port, token = _free_port(), "dtlab-test-token"
+    env = {**os.environ, "DTLAB_QUICK": "1", "JUPYTER_CONFIG_DIR": str(tmp_path / "jcfg"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jrun")}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
+           "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+           f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}"]
+    log = open(tmp_path / "jupyter.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "jupyter.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield url, token, work
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, token, work = jupyter_lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/lab/tree/10_compare.ipynb?token={token}", timeout=60_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            # the panel appears once every cell above it has run; it is below the fold
+            page.wait_for_selector(".dtlab-run", state="attached", timeout=240_000)
+            page.locator(".dtlab-run").scroll_into_view_if_needed()
+            tier = page.locator(".widget-dropdown", has=page.locator("label", has_text="tier")).locator("select")
+            tier.select_option("zero")
+            page.wait_for_function("document.querySelector('.dtlab-run').disabled === false", timeout=10_000)
+            page.locator(".dtlab-run").click()
+            page.wait_for_selector(".dtlab-status:has-text('finished')", timeout=120_000)
+            status = page.locator(".dtlab-status").inner_text()
+            assert "finished" in status and "zero" in status
+            assert page.locator(".dtlab-result img").count() >= 1
+            assert page.locator(".jp-OutputArea-output [data-mime-type='application/vnd.jupyter.stderr']").filter(
+                has_text="Traceback").count() == 0
+            page.screenshot(path=str(tmp_path / "panel.png"), full_page=False)
+        finally:
+            browser.close()
+    assert list((work / "results" / "history").glob("*-zero-w2/result.json"))
