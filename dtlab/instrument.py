@@ -94,10 +94,11 @@ _SIZE_RULES: dict[str, Callable[[tuple, dict], tuple[Any, Any]]] = {
     "gather": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "dst")),
     "scatter": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "src")),
     "barrier": lambda a, k: (None, None),
-    "send": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst")),
-    "recv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src")),
-    "isend": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst")),
-    "irecv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src")),
+    # pipelining passes group_dst/group_src (ranks within the group; global ones for the default group)
+    "send": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst", k.get("group_dst"))),
+    "recv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", k.get("group_src"))),
+    "isend": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst", k.get("group_dst"))),
+    "irecv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", k.get("group_src"))),
 }
 # Positions of the ``group`` and ``async_op`` arguments (None: not taken).
 _GROUP_ASYNC_POS: dict[str, tuple[int, int | None]] = {

@@ -405,6 +405,7 @@ def sweep(df: pd.DataFrame, x: str, y: str, *, title: str, xlabel: str, ylabel: 
             ax.annotate(str(note), (xv, yv), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     if logx:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # 0.001, 1, 25 rather than 10^k
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.set_ylim(0, float(df[y].max()) * 1.2)
     ax.grid(alpha=0.3)

@@ -49,8 +49,8 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     recorder = active() or CommRecorder(info.rank)
     model, data = build_job(cfg, info.device)
     strategy = tiers.get(cfg.tier).Strategy(cfg, info)
-    param_bytes = parameter_bytes(model)
     model = strategy.wrap(model)
+    param_bytes = parameter_bytes(model)  # after wrap: a sharded or split tier holds only its part
     optimizer = strategy.make_optimizer(model, optimizer_factory(cfg))
     batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, strategy.data_rank, strategy.data_world,
                                       cfg.seed)
