@@ -16,6 +16,8 @@ TIERS: dict[str, str] = {
     "ddp-naive": "dtlab.tiers.ddp_naive",
     "ddp": "dtlab.tiers.ddp",
     "zero": "dtlab.tiers.zero",
+    "rpc": "dtlab.tiers.rpc",
+    "pipeline": "dtlab.tiers.pipeline",
     "fsdp": "dtlab.tiers.fsdp",
 }
 
