@@ -2,17 +2,21 @@
 
 ``save`` writes one file of shards per rank plus a ``.metadata`` file that
 rank 0 writes last; it records every tensor's *global* shape and where each
-piece lies. ``load`` asks for the pieces the loading rank needs under its own
+piece lies. ``load`` reads the pieces the loading rank needs under its own
 sharding, so a checkpoint saved by 2 ranks loads into 1 or 4 (DCP reshards on
 load), and one saved by ``ddp`` (full tensors) loads into ``fsdp`` (shards).
 
 Safety: a save goes to a hidden sibling directory and is renamed into place
 only once ``.metadata`` exists, so an interrupted save never replaces the last
 good checkpoint; ``verify`` names what is missing from an incomplete one.
+
+``Periodic`` is what a tier uses: resume in ``make_optimizer``, then save every
+k optimizer steps into ``checkpoint_dir/step-NNNNNNNN``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -30,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["METADATA", "CheckpointError", "latest", "load", "resolve", "save", "step_dir", "verify"]
+__all__ = ["METADATA", "CheckpointError", "Periodic", "latest", "load", "resolve", "save", "saved_step",
+           "step_dir", "validate_options", "verify"]
 
 METADATA = ".metadata"  # DCP's index, written by rank 0 after every rank's shards
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -67,6 +72,10 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int)
     return state
 
 
+def _no_dist() -> bool:
+    return not dist.is_initialized()  # DCP then runs as one process (and says so in a warning)
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
          directory: str | os.PathLike[str]) -> Path:
     """Save model (and optimizer) state after ``step`` steps; a collective: every rank calls it.
@@ -81,7 +90,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         tmp.mkdir(parents=True)
     _barrier()  # nobody writes into tmp before rank 0 has cleared it
-    dcp.save(_state(model, optimizer, step), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, step), checkpoint_id=tmp, no_dist=_no_dist())
     # dcp.save returns on every rank only after rank 0 wrote .metadata: the save is complete.
     if _rank() == 0:
         if target.exists():
@@ -98,15 +107,12 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
     """The complete ``step-*`` checkpoint with the highest step under ``root`` (None if none)."""
-    best: tuple[int, Path] | None = None
     root = Path(root)
     if not root.is_dir():
         return None
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / METADATA).is_file() and (best is None or int(match[1]) > best[0]):
-            best = (int(match[1]), child)
-    return best[1] if best else None
+    found = [(int(m[1]), child) for child in root.iterdir()
+             if (m := _STEP_DIR.match(child.name)) and (child / METADATA).is_file()]
+    return max(found)[1] if found else None
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -114,8 +120,9 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if path.is_dir() and not (path / METADATA).exists() and not any(path.glob("*.distcp")):
         found = latest(path)
-        if found is not None:
-            path = found
+        if found is None:
+            raise CheckpointError(f"{path} holds no checkpoint: no {METADATA} and no complete step-* directory")
+        path = found
     verify(path)
     return path
 
@@ -155,6 +162,13 @@ def verify(directory: str | os.PathLike[str]) -> Any:
     return metadata
 
 
+def _failure(exc: BaseException) -> str:
+    """The first rank's own error out of DCP's CheckpointException (which wraps them all)."""
+    for inner, _trace in getattr(exc, "failures", {}).values():
+        return f"{type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str]) -> int:
     """Load a checkpoint into ``model`` (and ``optimizer``) under their current sharding.
 
@@ -167,14 +181,92 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: s
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None")
     state = _state(model, optimizer, step=-1)
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # DCP wraps per-rank failures; the first line says which key
-        message = str(exc).strip().splitlines()
-        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                              f"{message[-1] if message else type(exc).__name__}") from exc
+        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {_failure(exc)}") from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["dtlab"]["step"])
 
+
+def saved_step(directory: str | os.PathLike[str]) -> int:
+    """The step a checkpoint was saved after, read in this process alone (no process group)."""
+    state: dict[str, Any] = {"dtlab": {"step": -1}}
+    with _quiet():
+        dcp.load(state, checkpoint_id=resolve(directory), no_dist=True)
+    return int(state["dtlab"]["step"])
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def validate_options(name: str, checkpoint_dir: str, checkpoint_every: Any, resume_from: str, steps: int) -> None:
+    """The checks a tier with checkpoint options runs in ``validate(cfg)``; ``name`` prefixes the errors."""
+    if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 0:
+        raise ValueError(f"{name}.checkpoint_every={checkpoint_every!r} is invalid: must be an integer >= 0")
+    if checkpoint_every and not checkpoint_dir:
+        raise ValueError(f"{name}.checkpoint_every={checkpoint_every} needs checkpoint_dir to save into")
+    if resume_from:
+        try:
+            step = saved_step(resume_from)
+        except CheckpointError as exc:
+            raise ValueError(f"{name}.resume_from={resume_from!r} is invalid: {exc}") from None
+        if step >= steps:
+            raise ValueError(f"{name}.resume_from={resume_from!r} is invalid: it was saved after step {step} and "
+                             f"RunConfig.steps={steps} counts the whole run, resumed part included, so nothing "
+                             f"is left to train")
+
+
+class Periodic:
+    """Resume before training and save every ``every`` optimizer steps (and after the last one).
+
+    Saves run in an optimizer step post-hook, so the training loop needs no
+    change; like every DCP save they are collectives, run by every rank.
+    """
+
+    def __init__(self, directory: str, every: int, resume_from: str, total_steps: int) -> None:
+        self.directory, self.every, self.resume_from, self.total_steps = directory, every, resume_from, total_steps
+        self.start_step = 0
+        self.steps_done = 0
+        self.saved: list[str] = []
+
+    def describe(self) -> dict[str, Any]:
+        """What the result should say: the step a run resumed from, the checkpoints it saved."""
+        out: dict[str, Any] = {}
+        if self.resume_from:
+            out["resumed_from_step"] = self.start_step
+        if self.saved:
+            out["checkpoints"] = self.saved
+        return out
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              hyperparameters: dict[str, Any] | None = None) -> int:
+        """Load ``resume_from`` (if set) and register the saving hook; returns the step to start at.
+
+        ``hyperparameters`` (e.g. the run's lr) replace the checkpoint's in every param group.
+        """
+        if self.resume_from:
+            self.start_step = load(model, optimizer, self.resume_from)
+            for group in optimizer.param_groups:
+                group.update(hyperparameters or {})
+        # Registered after the load: DCP initialises an empty optimizer's state with a step at lr=0.
+        optimizer.register_step_post_hook(lambda opt, *_: self._after_step(model, opt))
+        return self.start_step
+
+    def _after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.steps_done += 1
+        step = self.start_step + self.steps_done
+        if self.directory and ((self.every and step % self.every == 0) or step == self.total_steps):
+            from dtlab.instrument import active
+
+            rec = active()
+            with rec.tagged("checkpoint") if rec is not None else contextlib.nullcontext():
+                self.saved.append(str(save(model, optimizer, step, step_dir(self.directory, step))))

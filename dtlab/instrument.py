@@ -260,7 +260,8 @@ def events_frame(rows: list[dict[str, Any]]) -> Any:
     """Events as a DataFrame with duration and bandwidth columns (bytes/s)."""
     import pandas as pd
 
-    df = pd.DataFrame(rows, columns=list(FIELDS))
+    extra = [k for k in (rows[0] if rows else {}) if k not in FIELDS]  # e.g. the RPC recorder's caller
+    df = pd.DataFrame(rows, columns=list(FIELDS) + extra)
     df["duration_s"] = df["end"] - df["start"]
     dur = df["duration_s"].where(df["duration_s"] > 0)
     df["algbw"] = df["bytes"] / dur

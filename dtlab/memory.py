@@ -21,10 +21,13 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
-        local = getattr(t, "_local_tensor", t)  # DTensor shards count their local part
-        storage = local.untyped_storage()
+        storage = _local(t).untyped_storage()  # DTensor shards count their local part
         seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
 def parameter_bytes(module: nn.Module) -> int:
@@ -63,8 +66,8 @@ class SavedActivations:
 
     def bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
         """Saved bytes, leaving out tensors that are counted elsewhere (parameters)."""
-        skip = {t.untyped_storage().data_ptr() for t in exclude}
-        return tensor_bytes(t for t in self._tensors if t.untyped_storage().data_ptr() not in skip)
+        skip = {_local(t).untyped_storage().data_ptr() for t in exclude}
+        return tensor_bytes(t for t in self._tensors if _local(t).untyped_storage().data_ptr() not in skip)
 
 
 def peak_process_bytes(device: torch.device) -> dict[str, int]:

@@ -52,6 +52,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     model = strategy.wrap(model)
     param_bytes = parameter_bytes(model)  # after wrap: a sharded or split tier holds only its part
     optimizer = strategy.make_optimizer(model, optimizer_factory(cfg))
+    start = strategy.start_step  # > 0 when the tier resumed from a checkpoint
     batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, strategy.data_rank, strategy.data_world,
                                       cfg.seed)
     accum = strategy.accumulation_steps
@@ -60,7 +61,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     last_report = 0.0
     phases = recorder.phases
     clock = time.perf_counter
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         recorder.step = step
         t0 = clock()
         idx = batches.indices(step)
@@ -80,7 +81,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing():
                 a = clock()
-                with SavedActivations() if step == 0 and micro == 0 else _nothing() as acts:
+                with SavedActivations() if step == start and micro == 0 else _nothing() as acts:
                     loss = models.loss(model(xm), ym)
                     if accum > 1:
                         loss = loss / accum
@@ -95,7 +96,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
         a = clock()
         strategy.sync_gradients(model)
         b = clock()
-        if step == 0:  # step 0 is warm-up, left out of the medians: accounting there costs nothing measured
+        if step == start:  # the first step is warm-up, left out of the medians: accounting there costs nothing measured
             memory["gradients"] = gradient_bytes(strategy.unwrap(model))
         o = clock()
         optimizer.step()
@@ -105,7 +106,7 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
         loss_value = float(step_loss)  # NaN on ranks that compute no loss (early pipeline stages)
         steps.append({"step": step, "loss": loss_value, "samples": len(idx), "data": t_data - t0,
                       "forward": forward, "backward": backward, "comm": b - a, "optimizer": c - o, "total": c - t0})
-        if step == 0:
+        if step == start:
             memory["optimizer_state"] = optimizer_state_bytes(optimizer)
         if c - last_report > _REPORT_EVERY_S or step == cfg.steps - 1:
             report(step=step + 1, total=cfg.steps, loss=loss_value, desc=f"{cfg.tier} rank 0",

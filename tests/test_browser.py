@@ -51,6 +51,12 @@ def jupyter_lab(tmp_path):
         pytest.skip(reason)
     work = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", work)
+    # Render every cell (no windowing: the panel is far below the fold) and skip the news prompt.
+    settings = tmp_path / "settings" / "@jupyterlab"
+    (settings / "notebook-extension").mkdir(parents=True)
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     port, token = _free_port(), "dtlab-test-token"
     env = {**os.environ, "DTLAB_QUICK": "1", "JUPYTER_CONFIG_DIR": str(tmp_path / "jcfg"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "jrun")}
@@ -80,6 +86,20 @@ def jupyter_lab(tmp_path):
     log.close()
 
 
+def run_all(page, attempts: int = 3) -> None:
+    """Run > Run All Cells, until the kernel has taken the first cell (a fresh session can miss it)."""
+    first_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    for _ in range(attempts):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if any(mark in first_prompt.inner_text() for mark in ("[*]", "[1]")):
+                return
+            time.sleep(0.5)
+    raise AssertionError(f"the notebook did not start running: first prompt {first_prompt.inner_text()!r}")
+
+
 def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -91,10 +111,13 @@ def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
             page.goto(f"{url}/lab/tree/10_compare.ipynb?token={token}", timeout=60_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            run_all(page)
             # the panel appears once every cell above it has run; it is below the fold
-            page.wait_for_selector(".dtlab-run", state="attached", timeout=240_000)
+            try:
+                page.wait_for_selector(".dtlab-run", state="attached", timeout=240_000)
+            except Exception:
+                page.screenshot(path=str(tmp_path / "no-panel.png"), full_page=True)
+                raise
             page.locator(".dtlab-run").scroll_into_view_if_needed()
             tier = page.locator(".widget-dropdown", has=page.locator("label", has_text="tier")).locator("select")
             tier.select_option("zero")

@@ -29,6 +29,7 @@ class NoOptions:
 
 class Strategy:
     accumulation_steps = 1
+    start_step = 0  # the loop runs steps start_step .. cfg.steps - 1 (a resumed run starts later)
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:

@@ -13,16 +13,18 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab import checkpoint
 from dtlab.config import RunConfig
 from dtlab.env import resolve_backend
 from dtlab.instrument import allreduce_hook, recording_hook
 from dtlab.syncbn import convert_sync_batchnorm
 from dtlab.tiers import base
-from dtlab.tiers.base import processes
+from dtlab.tiers.base import OptimizerFactory, processes
 
 __all__ = ["COMM_HOOKS", "Options", "Strategy", "bucket_layout", "processes", "validate"]
 
@@ -38,6 +40,9 @@ class Options:
     powersgd_rank: int = 1
     sync_batchnorm: bool = False
     broadcast_buffers: bool = True
+    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.checkpoint)
+    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
+    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
 
 
 def validate(cfg: RunConfig) -> None:
@@ -58,6 +63,7 @@ def validate(cfg: RunConfig) -> None:
                          f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
     if o.powersgd_rank < 1:
         raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
+    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
 
 
 def comm_hook(options: Options) -> tuple[Any, Any]:
@@ -80,6 +86,8 @@ class Strategy(base.Strategy):
         self.options: Options = cfg.tier_options
         self.accumulation_steps = self.options.accumulation_steps
         self.ddp: DistributedDataParallel | None = None
+        o = self.options
+        self.checkpoints = checkpoint.Periodic(o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.options.sync_batchnorm:
@@ -100,6 +108,11 @@ class Strategy(base.Strategy):
         self.ddp.register_comm_hook(state, hook if hook is allreduce_hook else recording_hook(hook))
         return self.ddp
 
+    def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = super().make_optimizer(model, build)
+        self.start_step = self.checkpoints.setup(model, optimizer, build.keywords)  # 0 unless resuming
+        return optimizer
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
@@ -110,7 +123,7 @@ class Strategy(base.Strategy):
         if self.ddp is None:
             return {}
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
-                **bucket_layout(self.ddp)}
+                **bucket_layout(self.ddp), **self.checkpoints.describe()}
 
 
 def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:

@@ -19,7 +19,6 @@ exposed; ``comm_exposure`` measures that.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtlab import checkpoint
 from dtlab.config import RunConfig
 from dtlab.data import Dataset
 from dtlab.env import resolve_backend
 from dtlab.instrument import active
+from dtlab.memory import tensor_bytes
 from dtlab.models import evaluate
 from dtlab.tiers import base
 from dtlab.tiers.base import OptimizerFactory, processes
@@ -52,7 +53,7 @@ class Options:
     mixed_precision: str = "none"
     cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step live on the CPU
     checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
-    checkpoint_every: int = 0  # save every k steps (0: only after the last step, if checkpoint_dir is set)
+    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
 
 
@@ -73,15 +74,7 @@ def validate(cfg: RunConfig) -> None:
     _, device = resolve_backend(cfg.backend, cfg.device)
     if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
-    if not isinstance(o.checkpoint_every, int) or isinstance(o.checkpoint_every, bool) or o.checkpoint_every < 0:
-        raise ValueError(f"{name}.checkpoint_every={o.checkpoint_every!r} is invalid: must be an integer >= 0")
-    if o.checkpoint_every and not o.checkpoint_dir:
-        raise ValueError(f"{name}.checkpoint_every={o.checkpoint_every} needs checkpoint_dir to save into")
-    if o.resume_from:
-        try:
-            checkpoint.resolve(o.resume_from)
-        except checkpoint.CheckpointError as exc:
-            raise ValueError(f"{name}.resume_from={o.resume_from!r} is invalid: {exc}") from exc
+    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -119,6 +112,7 @@ def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> No
 
     class RecordedAllGather(DefaultAllGather):
         def __init__(self, unit: str) -> None:
+            super().__init__()
             self.unit = unit
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
@@ -131,6 +125,7 @@ def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> No
 
     class RecordedReduceScatter(DefaultReduceScatter):
         def __init__(self, unit: str) -> None:
+            super().__init__()
             self.unit = unit
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
@@ -151,13 +146,14 @@ class Strategy(base.Strategy):
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
         self.options: Options = cfg.tier_options
-        self.start_step = 0  # > 0 after resume_from: the step the checkpoint was saved after
-        self.steps_done = 0  # optimizer steps taken in this run
+        o = self.options
+        self.checkpoints = checkpoint.Periodic(o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
+        self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
-        self.saved: list[str] = []
         self._template: nn.Module | None = None
         self._full: dict[str, torch.Tensor] | None = None  # gathered state, until the next step
         self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
+        self.gathered_after_forward = 0  # bytes of full parameters kept from forward to backward
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -192,6 +188,10 @@ class Strategy(base.Strategy):
 
         def backward_follows(*_: Any) -> None:
             self._pass["now"] = "backward"  # whatever is gathered from now until the next forward
+            # Runs after FSDP's own post-forward (registered later): the parameters still
+            # unsharded now stay in memory until backward.
+            held = tensor_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
+            self.gathered_after_forward = max(self.gathered_after_forward, held)
 
         # prepend: before FSDP's own root pre-forward hook, which gathers the root unit
         model.register_forward_pre_hook(forward_starts, prepend=True)
@@ -200,25 +200,13 @@ class Strategy(base.Strategy):
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
-        if self.options.resume_from:
-            self.start_step = checkpoint.load(model, optimizer, self.options.resume_from)
-            for group in optimizer.param_groups:
-                group.update(build.keywords)  # this run's hyperparameters, not the checkpoint's
-        # After the load: DCP initialises an empty optimizer's state with a step at lr=0.
-        optimizer.register_step_post_hook(lambda opt, *_: self._after_step(model, opt))
+        # > 0 after resume_from: the loop starts after the step the checkpoint was saved at
+        self.start_step = self.checkpoints.setup(model, optimizer, build.keywords)
+        optimizer.register_step_post_hook(self._forget_full_state)
         return optimizer
 
-    def _after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.steps_done += 1
-        self._full = None
-        step = self.start_step + self.steps_done
-        o = self.options
-        last = step >= self.cfg.steps
-        if o.checkpoint_dir and ((o.checkpoint_every and step % o.checkpoint_every == 0) or last):
-            rec = active()
-            with rec.tagged("checkpoint") if rec is not None else contextlib.nullcontext():
-                path = checkpoint.save(model, optimizer, step, checkpoint.step_dir(o.checkpoint_dir, step))
-            self.saved.append(str(path))
+    def _forget_full_state(self, *_: Any) -> None:
+        self._full = None  # the parameters changed
 
     # -- what the loop reads back (on every rank) --------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -254,12 +242,9 @@ class Strategy(base.Strategy):
         out: dict[str, Any] = {"fsdp_units": self.units, "num_units": len(self.units),
                                "reshard_after_forward": self.options.reshard_after_forward,
                                "mixed_precision": self.options.mixed_precision,
-                               "cpu_offload": self.options.cpu_offload}
-        if self.options.resume_from:
-            out["resumed_from_step"] = self.start_step
-        if self.saved:
-            out["checkpoints"] = self.saved
-        return out
+                               "cpu_offload": self.options.cpu_offload,
+                               "gathered_after_forward_bytes": self.gathered_after_forward}
+        return {**out, **self.checkpoints.describe()}
 
 
 def comm_exposure(result: Any) -> Any:

@@ -32,6 +32,10 @@ class Options(ddp.Options):
 
 def validate(cfg: RunConfig) -> None:
     ddp.validate(cfg)
+    if cfg.tier_options.checkpoint_dir or cfg.tier_options.resume_from:
+        raise ValueError(f"{cfg.tier} tier_options.checkpoint_dir/resume_from: DCP cannot save a "
+                         f"ZeroRedundancyOptimizer (get_state_dict needs its state consolidated on one rank); "
+                         f"checkpoint with the ddp or fsdp tier")
     if cfg.optimizer not in SHARDABLE:
         raise ValueError(f"RunConfig.optimizer={cfg.optimizer!r} cannot be sharded by the zero tier: "
                          f"use one of {', '.join(sorted(SHARDABLE))}")
