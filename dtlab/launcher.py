@@ -149,11 +149,21 @@ def call_recorded(fn: Callable[..., Any], info: Any, args: tuple, record: bool, 
         recorder.stop()
 
 
+def _exit_with_launcher(alive: Any) -> None:
+    """Block until the launch's liveness pipe closes, then end this rank at once."""
+    with contextlib.suppress(EOFError, OSError):
+        alive.recv()
+    os._exit(1)
+
+
 def _rank_main(payload: bytes, args_payload: bytes, rank: int, world_size: int, port: int, conn: Any,
-               live_buffer: Any, log_path: str, options: dict[str, Any]) -> None:
+               live_buffer: Any, log_path: str, options: dict[str, Any], alive: Any) -> None:
     """Body of every rank process."""
     global _rank_conn, _rank_id
     os.setpgid(0, 0)  # own process group, so teardown reaches anything it starts
+    # A rank the launcher cannot kill by pid (interrupted while starting it) still
+    # ends: the launcher closes this pipe however the launch ends.
+    threading.Thread(target=_exit_with_launcher, args=(alive,), daemon=True).start()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)  # C++ warnings from gloo land in the rank's log too
@@ -274,12 +284,13 @@ def launch(
     failures: dict[int, RankFailure] = {}
     bar = ProgressBar(progress)
     watchdog_note = ""
+    alive_r, alive_w = ctx.Pipe(duplex=False)
     try:
         for r in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"dtlab-rank{r}", daemon=True,
                             args=(payload, args_payload, r, world_size, port, writer, live_buffer,
-                                  log_paths[r], options))
+                                  log_paths[r], options, alive_r))
             with _main_not_reimported():
                 p.start()
             writer.close()
@@ -333,6 +344,8 @@ def launch(
         _kill_all(procs)
         raise
     finally:
+        alive_w.close()  # every rank process, even one whose pid never reached us, now exits
+        alive_r.close()
         bar.close()
         _kill_all(procs)
         for conn in readers:

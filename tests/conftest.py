@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import signal
 import multiprocessing.resource_tracker
 import time
 
@@ -38,3 +39,11 @@ def no_survivors():
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {names}"
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raises KeyboardInterrupt, as in a kernel: other tests' libraries (Playwright) may replace it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -182,7 +182,7 @@ def sleeps(info):
     time.sleep(60)
 
 
-def test_keyboard_interrupt_terminates_every_rank():
+def test_keyboard_interrupt_terminates_every_rank(default_sigint):
     main = threading.main_thread().ident
     timer = threading.Timer(2.0, lambda: signal.pthread_kill(main, signal.SIGINT))
     timer.start()

@@ -71,7 +71,7 @@ def test_deadline_kills_torchrun_and_its_workers():
     assert not leftover_processes()
 
 
-def test_interrupt_kills_torchrun_and_its_workers():
+def test_interrupt_kills_torchrun_and_its_workers(default_sigint):
     main = threading.main_thread().ident
     timer = threading.Timer(6.0, lambda: signal.pthread_kill(main, signal.SIGINT))
     timer.start()
