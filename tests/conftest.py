@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing.forkserver
-import signal
 import multiprocessing.resource_tracker
+import signal
 import time
 
 import psutil
