@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from dtlab import RunConfig
 from dtlab.tiers.ddp import Options as DDPOptions
 from dtlab.tiers.zero import Options as ZeroOptions
 from dtlab.train import run
+from tests.parity import TOL, job, single
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
-TOL = 1e-5
-LR = {"sgd": 0.05, "adam": 0.01}
-
-
-def job(optimizer: str, **changes) -> RunConfig:
-    base = dict(steps=20, optimizer=optimizer, lr=LR[optimizer], global_batch_size=64, threads_per_rank=1)
-    return RunConfig(**{**base, **changes})
-
-
-@functools.cache
-def single(optimizer: str, model: str = "mlp", dataset: str = "digits"):
-    return run(job(optimizer, model=model, dataset=dataset), progress=False)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -11,24 +11,13 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from dtlab import RankError, RunConfig, rl
+from dtlab import RankError, rl
 from dtlab.rpc_instrument import call_matrix, events_frame, launch_rpc, listening_sockets
 from dtlab.tiers.rpc import Options, staleness_frame
 from dtlab.train import run
+from tests.parity import TOL, job, single
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
-TOL = 1e-5
-LR = {"sgd": 0.05, "adam": 0.01}
-
-
-def job(optimizer: str, **changes) -> RunConfig:
-    base = dict(steps=20, optimizer=optimizer, lr=LR[optimizer], global_batch_size=64, threads_per_rank=1)
-    return RunConfig(**{**base, **changes})
-
-
-@functools.cache
-def single(optimizer: str):
-    return run(job(optimizer), progress=False)
 
 
 @functools.cache
