@@ -201,18 +201,19 @@ class RunResult:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "result.json", json.dumps(self.summary(), indent=2, default=str).encode())
-        _atomic_write(out / "events.csv", self.events_frame().to_csv(index=False).encode())
-        _atomic_write(out / "steps.csv", self.steps_frame().to_csv(index=False).encode())
+        atomic_write(out / "result.json", json.dumps(self.summary(), indent=2, default=str).encode())
+        atomic_write(out / "events.csv", self.events_frame().to_csv(index=False).encode())
+        atomic_write(out / "steps.csv", self.steps_frame().to_csv(index=False).encode())
         events = [e for r in self.ranks for e in r.events]
         phases = [p for r in self.ranks for p in r.phases]
-        _atomic_write(out / "trace.json", json.dumps(chrome_trace(events, phases), default=str).encode())
+        atomic_write(out / "trace.json", json.dumps(chrome_trace(events, phases), default=str).encode())
         if self.ranks[0].params is not None:
-            _atomic_write(out / "params.pt", self.ranks[0].params)
+            atomic_write(out / "params.pt", self.ranks[0].params)
         return out
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write under a temporary name, then rename: readers never see a half-written file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -19,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 
+from dtlab.results import atomic_write
+
 PAYLOAD = "payload.pkl"
 
 
@@ -32,12 +34,6 @@ def error_path(workdir: Path, rank: int) -> Path:
 
 def progress_path(workdir: Path) -> Path:
     return workdir / "progress.jsonl"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 class _ProgressFile:
@@ -63,13 +59,13 @@ def main(workdir: Path) -> int:
 
         info = DistInfo.init(options["backend"], options["device"], options["timeout_s"])
         value = launcher.call_recorded(fn, info, args, options.get("record", True))
-        _atomic_write(result_path(workdir, rank), cloudpickle.dumps(value))
+        atomic_write(result_path(workdir, rank), cloudpickle.dumps(value))
         DistInfo.cleanup()
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         report = {"rank": rank, "error_type": type(exc).__name__, "message": str(exc),
                   "traceback": traceback.format_exc(), "time": time.time(),
                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
-        _atomic_write(error_path(workdir, rank), json.dumps(report).encode())
+        atomic_write(error_path(workdir, rank), json.dumps(report).encode())
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
