@@ -25,14 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 __all__ = ["METADATA", "CheckpointError", "Periodic", "latest", "load", "resolve", "save", "saved_step",
            "step_dir", "validate_options", "verify"]
@@ -43,6 +36,13 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or does not fit the model."""
+
+
+def _dcp() -> Any:
+    # Imported on first use: it costs about 1 s, paid by every torchrun worker that imports a tier.
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -62,6 +62,8 @@ def _barrier() -> None:
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> dict[str, Any]:
     # get_state_dict names entries by the plain module's FQNs (no DDP "module." prefix,
     # no FSDP wrapper), so every tier's checkpoint has the same keys.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
     else:
@@ -90,7 +92,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         tmp.mkdir(parents=True)
     _barrier()  # nobody writes into tmp before rank 0 has cleared it
-    dcp.save(_state(model, optimizer, step), checkpoint_id=tmp, no_dist=_no_dist())
+    _dcp().save(_state(model, optimizer, step), checkpoint_id=tmp, no_dist=_no_dist())
     # dcp.save returns on every rank only after rank 0 wrote .metadata: the save is complete.
     if _rank() == 0:
         if target.exists():
@@ -142,7 +144,7 @@ def verify(directory: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"checkpoint {path} is incomplete: {METADATA} is missing{found}; rank 0 writes it "
                               f"last, so the save that made it did not finish")
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = _dcp().FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # a truncated or overwritten pickle
         raise CheckpointError(f"checkpoint {path}: {METADATA} is unreadable ({type(exc).__name__}: {exc})") from exc
     needed: dict[str, int] = {}
@@ -181,9 +183,11 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: s
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None")
     state = _state(model, optimizer, step=-1)
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+        _dcp().load(state, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, _dcp().CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {_failure(exc)}") from None
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -195,7 +199,7 @@ def saved_step(directory: str | os.PathLike[str]) -> int:
     """The step a checkpoint was saved after, read in this process alone (no process group)."""
     state: dict[str, Any] = {"dtlab": {"step": -1}}
     with _quiet():
-        dcp.load(state, checkpoint_id=resolve(directory), no_dist=True)
+        _dcp().load(state, checkpoint_id=resolve(directory), no_dist=True)
     return int(state["dtlab"]["step"])
 
 

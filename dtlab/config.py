@@ -146,6 +146,26 @@ class RunConfig:
             changes["tier_options"] = None
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """The inverse of ``to_dict`` (for a config file), validated; the model must be a name or import path."""
+        from dtlab import tiers
+
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown RunConfig field(s) {unknown}: choose from {sorted(fields)}")
+        data = dict(data)
+        options = data.pop("tier_options", None) or {}
+        tier_module = tiers.get(data.get("tier", "single"))
+        # JSON has no tuples: lists come back as the tuples the options hold.
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        try:
+            data["tier_options"] = tier_module.Options(**options)
+        except TypeError as exc:
+            raise ValueError(f"tier_options for tier {data.get('tier', 'single')!r}: {exc}") from None
+        return cls(**data)
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tier_options"}
         if callable(self.model):

@@ -89,6 +89,8 @@ class RunResult:
     ranks: list[RankResult]
     wall_s: float
     logs: dict[int, str] = field(default_factory=dict)
+    # What torchrun-launched workers reported (starts, restarts, snapshots, faults): see dtlab.worker.emit.
+    run_events: list[dict[str, Any]] = field(default_factory=list)
 
     # -- tables -------------------------------------------------------------------
     def steps_frame(self) -> Any:
@@ -207,6 +209,10 @@ class RunResult:
         events = [e for r in self.ranks for e in r.events]
         phases = [p for r in self.ranks for p in r.phases]
         atomic_write(out / "trace.json", json.dumps(chrome_trace(events, phases), default=str).encode())
+        if self.run_events:
+            import pandas as pd
+
+            atomic_write(out / "run_events.csv", pd.DataFrame(self.run_events).to_csv(index=False).encode())
         if self.ranks[0].params is not None:
             atomic_write(out / "params.pt", self.ranks[0].params)
         return out

@@ -343,7 +343,7 @@ class RpcLaunchResult(list):
 def launch_rpc(fn: Callable[..., Any], names: list[str] | tuple[str, ...], *, args: tuple = (),
                rpc_timeout_s: float = 30.0, bind_address: str = LOOPBACK, timeout_s: float = 60.0,
                progress: bool | Callable[[dict[str, Any]], None] = True, record: bool = True,
-               threads: int = 0) -> RpcLaunchResult:
+               threads: int = 0, stop: Any = None) -> RpcLaunchResult:
     """Run ``fn(worker, *args)`` as RPC worker ``names[r]`` in process r, and return the values.
 
     ``fn`` travels by value (cloudpickle, so a notebook function works), but what the
@@ -367,7 +367,7 @@ def launch_rpc(fn: Callable[..., Any], names: list[str] | tuple[str, ...], *, ar
     warn_if_exposed(bind_address)
     threads = threads or max(1, (os.cpu_count() or 1) // len(names))
     out = launch(_worker_main, len(names), args=(fn, names, rpc_timeout_s, bind_address, record, threads, args),
-                 backend="gloo", device="cpu", timeout_s=timeout_s, progress=progress, record=False)
+                 backend="gloo", device="cpu", timeout_s=timeout_s, progress=progress, record=False, stop=stop)
     result = RpcLaunchResult(o["value"] for o in out)
     result.names = names
     result.events = [e for o in out for e in o["events"]]

@@ -19,9 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ import psutil
 
 from dtlab import worker
 from dtlab.failures import CollectiveTimeout, RankError, RankFailure
-from dtlab.launcher import LaunchResult, ProgressBar
+from dtlab.launcher import LaunchResult, LaunchStopped, ProgressBar
 
 # torchrun's failure report: one block per failed rank, "Root Cause" (its first observed failure) last.
 _BLOCK = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)
@@ -43,13 +45,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(workdir: Path, nproc_per_node: int, *, nnodes: str = "1", port: int,
-                     rdzv_id: str, max_restarts: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
+@dataclass(frozen=True)
+class Node:
+    """One torchrun agent ("node"): where it runs and how its ranks reach the others.
+
+    ``netns`` runs the agent inside that network namespace (see ``dtlab.netns``);
+    ``join_at_step`` starts it only once rank 0 has reported that many finished
+    steps, so it joins a running job (an elastic membership change).
+    """
+
+    addr: str = "127.0.0.1"
+    ifname: str = "lo"
+    netns: str | None = None
+    join_at_step: int = 0
+
+
+def torchrun_command(workdir: Path | str, nproc_per_node: int, *, nnodes: str = "1", port: int,
+                     rdzv_id: str, max_restarts: int = 0, rdzv_host: str = "127.0.0.1",
+                     local_addr: str = "127.0.0.1", is_host: bool | None = None,
+                     rdzv_conf: dict[str, Any] | None = None, extra: tuple[str, ...] = (),
+                     python: str = sys.executable) -> list[str]:
+    """The torchrun command line of one node (the same entry point dtlab documents for clusters)."""
+    conf = dict(rdzv_conf or {})
+    if is_host is not None:
+        # torchrun guesses whether it hosts the rendezvous store by comparing names;
+        # inside a namespace (or on a cluster node with several names) say it.
+        conf["is_host"] = int(is_host)
+    conf_args = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] if conf else []
+    return [python, "-m", "torch.distributed.run", "--nnodes", nnodes,
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1",
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *extra,
-            "-m", "dtlab.worker", str(workdir)]
+            "--rdzv-endpoint", f"{rdzv_host}:{port}", "--rdzv-id", rdzv_id, *conf_args,
+            "--local-addr", local_addr, "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            *extra, "-m", "dtlab.worker", str(workdir)]
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -67,102 +94,189 @@ def _kill_session(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=5)
 
 
+# Once one agent has failed, the others cannot finish: their ranks lose a peer
+# and their agents would wait for it at the next rendezvous. They get this long.
+_FAILURE_GRACE_S = 3.0
+# Once one agent has finished, the others of the same world finish within moments;
+# one still running after this never got into the world (it joined too late).
+_SUCCESS_GRACE_S = 10.0
+
+
 def launch_torchrun(
     fn: Callable[..., Any],
     nproc_per_node: int,
     *,
     args: tuple = (),
+    nodes: Sequence[Node] | None = None,
+    nnodes: str | None = None,
     backend: str = "auto",
     device: str = "auto",
     timeout_s: float = 60.0,
     deadline_s: float | None = None,
     max_restarts: int = 0,
+    rdzv_conf: dict[str, Any] | None = None,
     progress: bool | Callable[[dict[str, Any]], None] = True,
     record: bool = True,
     env: dict[str, str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    stop: threading.Event | None = None,
 ) -> LaunchResult:
-    """Run ``fn(info, *args)`` on ``nproc_per_node`` ranks under torchrun and return their results."""
+    """Run ``fn(info, *args)`` on ``nproc_per_node`` ranks per node under torchrun; return every rank's result.
+
+    One torchrun agent runs per entry of ``nodes`` (default: one loopback node);
+    ``nnodes`` is torchrun's ``--nnodes`` (default: ``len(nodes)``; ``"1:2"`` lets
+    the world grow). The result's ``events`` hold what the workers reported with
+    ``dtlab.worker.emit`` (starts, restarts, snapshots, faults), oldest first.
+    """
+    nodes = list(nodes or [Node()])
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node!r} is invalid: must be an integer >= 1")
     if max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} is invalid: must be >= 0")
-    workdir = Path(tempfile.mkdtemp(prefix="dtlab-torchrun-"))
+    nnodes = nnodes or str(len(nodes))
+    own_workdir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="dtlab-torchrun-") if own_workdir else workdir)
+    work.mkdir(parents=True, exist_ok=True)
     options = {"backend": backend, "device": device, "timeout_s": timeout_s, "record": record}
     try:
-        (workdir / worker.PAYLOAD).write_bytes(cloudpickle.dumps((fn, tuple(args), options)))
+        (work / worker.PAYLOAD).write_bytes(cloudpickle.dumps((fn, tuple(args), options)))
     except Exception as exc:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
         raise ValueError(f"cannot send {fn!r} or its arguments to the ranks: {exc}") from exc
-    cmd = torchrun_command(workdir, nproc_per_node, port=free_port(), rdzv_id=uuid.uuid4().hex[:12],
-                           max_restarts=max_restarts)
-    child_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    log_path = workdir / "torchrun.log"
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:12]
+    host = nodes[0].addr
+    commands = []
+    for i, node in enumerate(nodes):
+        cmd = torchrun_command(work, nproc_per_node, nnodes=nnodes, port=port, rdzv_id=rdzv_id,
+                               max_restarts=max_restarts, rdzv_host=host, local_addr=node.addr,
+                               is_host=(i == 0) if len(nodes) > 1 or node.netns else None, rdzv_conf=rdzv_conf)
+        commands.append(["ip", "netns", "exec", node.netns, *cmd] if node.netns else cmd)
+    base_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     bar = ProgressBar(progress)
     started = time.perf_counter()
-    seen_progress = 0
+    relay = _Relay(work, bar)
     note = ""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    procs: dict[int, subprocess.Popen] = {}
+
+    def start(i: int) -> None:
+        node_env = {**base_env, "GLOO_SOCKET_IFNAME": nodes[i].ifname, "DTLAB_NODE_ADDR": nodes[i].addr}
+        with open(work / f"torchrun-node{i}.log", "wb") as log:
+            procs[i] = subprocess.Popen(commands[i], stdout=log, stderr=subprocess.STDOUT, env=node_env,
+                                        start_new_session=True)
+        worker.emit_to(work, "node_start", node=i, addr=nodes[i].addr, agent_pid=procs[i].pid, rdzv_id=rdzv_id)
+
     try:
-        while proc.poll() is None:
+        for i, node in enumerate(nodes):
+            if node.join_at_step <= 0:
+                start(i)
+        failed_at = finished_at = None
+        late: set[int] = set()
+        while True:
             time.sleep(0.05)
-            seen_progress = _relay_progress(workdir, seen_progress, bar)
+            relay.poll()
+            codes = {i: p.poll() for i, p in procs.items()}
+            for i, node in enumerate(nodes):
+                if i not in procs and 0 < node.join_at_step <= relay.max_step and None in codes.values() \
+                        and finished_at is None:
+                    start(i)
+            if all(c is not None for c in codes.values()):
+                break
+            now = time.perf_counter()
+            if failed_at is None and any(c not in (None, 0) for c in codes.values()):
+                failed_at = now
+            if finished_at is None and 0 in codes.values():
+                finished_at = now
+            if failed_at is not None and now - failed_at > _FAILURE_GRACE_S:
+                break
+            if failed_at is None and finished_at is not None and now - finished_at > _SUCCESS_GRACE_S:
+                late = {i for i, c in codes.items() if c is None}
+                for i in late:
+                    worker.emit_to(work, "node_stopped", node=i, reason="still waiting after the others finished")
+                break
             if deadline_s is not None and time.perf_counter() - started > deadline_s:
                 note = f"the launch ran past deadline_s={deadline_s:g} s and was stopped"
                 break
+            if stop is not None and stop.is_set():
+                note = "stopped"
+                break
     except KeyboardInterrupt:
-        _kill_session(proc)
+        for p in procs.values():
+            _kill_session(p)
         raise
     finally:
-        if proc.poll() is None or note:
-            _kill_session(proc)
-        _relay_progress(workdir, seen_progress, bar)  # what arrived after the last poll
+        for p in procs.values():
+            if p.poll() is None or note:
+                _kill_session(p)
+        relay.poll()  # what arrived after the last poll
         bar.close()
-    log_text = log_path.read_text(errors="replace")
+    if note == "stopped":
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        raise LaunchStopped("the launch was stopped on request; every agent and rank was killed")
+    logs = {i: (work / f"torchrun-node{i}.log").read_text(errors="replace") for i in procs}
     try:
-        results = {r: worker.result_path(workdir, r) for r in range(nproc_per_node)}
-        if not note and proc.returncode == 0 and all(p.exists() for p in results.values()):
-            out = LaunchResult(cloudpickle.loads(p.read_bytes()) for p in results.values())
-            out.logs = {0: log_text}
+        events = worker.read_events(work)
+        results = sorted(work.glob("result-rank*.pkl"), key=lambda p: int(p.stem.removeprefix("result-rank")))
+        ok = not note and all(p.returncode == 0 for i, p in procs.items() if i not in late)
+        if ok and results:
+            out = LaunchResult(cloudpickle.loads(p.read_bytes()) for p in results)
+            out.logs = logs
             out.wall_s = time.perf_counter() - started
+            out.events = events
             return out
-        failures = _failures(workdir, nproc_per_node, log_text, note)
+        failures = _failures(work, nproc_per_node * len(procs), list(logs.values()), note)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
     timed_out = bool(note) or any("timed out" in f.message.lower() for f in failures)
-    raise (CollectiveTimeout if timed_out else RankError)(failures, note=note)
+    error = (CollectiveTimeout if timed_out else RankError)(failures, note=note)
+    error.events = events
+    raise error
 
 
-def _relay_progress(workdir: Path, seen: int, bar: ProgressBar) -> int:
-    path = worker.progress_path(workdir)
-    if not path.exists():
-        return seen
-    lines = path.read_text().splitlines()
-    for line in lines[seen:]:
-        with contextlib.suppress(json.JSONDecodeError):
-            bar.update(json.loads(line))
-    return len(lines)
+def _running(procs: dict[int, subprocess.Popen]) -> bool:
+    return any(p.poll() is None for p in procs.values())
 
 
-def _failures(workdir: Path, world: int, log_text: str, note: str) -> list[RankFailure]:
-    failures = []
-    for r in range(world):
-        path = worker.error_path(workdir, r)
-        if path.exists():
-            e = json.loads(path.read_text())
-            failures.append(RankFailure(r, "exception", e["error_type"], e["message"], e["traceback"], e["time"]))
+class _Relay:
+    """Forwards rank 0's progress lines to the bar and remembers the furthest step reported."""
+
+    def __init__(self, workdir: Path, bar: ProgressBar) -> None:
+        self.path, self.bar, self.seen, self.max_step = worker.progress_path(workdir), bar, 0, 0
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        for line in lines[self.seen:]:
+            with contextlib.suppress(json.JSONDecodeError):
+                message = json.loads(line)
+                self.bar.update(message)
+                self.max_step = max(self.max_step, int(message.get("step", 0)))
+        self.seen = len(lines)
+
+
+def _failures(workdir: Path, world: int, logs: list[str], note: str) -> list[RankFailure]:
+    errors = [json.loads(p.read_text()) for p in sorted(workdir.glob("error-rank*.json"))]
+    # After restarts, an error file may be left from an earlier attempt: report the last attempt's.
+    last = max((e.get("restart", 0) for e in errors), default=0)
+    failures = [RankFailure(e["rank"], "exception", e["error_type"], e["message"], e["traceback"], e["time"])
+                for e in errors if e.get("restart", 0) == last]
     reported = {f.rank for f in failures}
-    others, _, root_cause = log_text.rpartition("Root Cause")
-    # The root cause first (earliest time), so that a rank killed by a signal is the culprit, not its victims.
-    for order, (rank, code) in enumerate(_BLOCK.findall(root_cause) + _BLOCK.findall(others)):
-        if int(rank) not in reported and int(code) < 0:  # killed by a signal: no Python error to report
-            failures.append(RankFailure(int(rank), "died", time=time.time() + order * 1e-3, exitcode=int(code)))
-            reported.add(int(rank))
+    order = 0
+    for log_text in logs:
+        others, _, root_cause = log_text.rpartition("Root Cause")
+        # The root cause first (earliest time), so that a rank killed by a signal is the culprit, not its victims.
+        for rank, code in _BLOCK.findall(root_cause) + _BLOCK.findall(others):
+            if int(rank) not in reported and int(code) < 0:  # killed by a signal: no Python error to report
+                failures.append(RankFailure(int(rank), "died", time=time.time() + order * 1e-3, exitcode=int(code)))
+                reported.add(int(rank))
+                order += 1
     if note and not failures:
         failures = [RankFailure(r, "timeout", message="still running at the deadline", time=time.time())
                     for r in range(world)]
     if not failures:
-        failures = [RankFailure(0, "died", message="torchrun failed", time=time.time(),
-                                log_tail="\n".join(log_text.splitlines()[-30:]))]
+        tail = "\n".join("\n".join(log.splitlines()[-30:]) for log in logs)
+        failures = [RankFailure(0, "died", message="torchrun failed", time=time.time(), log_tail=tail)]
     return failures
-

@@ -150,8 +150,8 @@ def run(cfg: RunConfig, *, progress: bool | Callable[[dict[str, Any]], None] = T
     from dtlab.launcher import launch
 
     tier = tiers.get(cfg.tier)
-    if hasattr(tier, "run"):  # a tier with its own processes (RPC: servers and trainers)
-        return tier.run(cfg, progress=progress, record=record)
+    if hasattr(tier, "run"):  # a tier with its own processes (RPC servers, torchrun agents)
+        return tier.run(cfg, progress=progress, record=record, stop=stop)
     start = time.perf_counter()
     out = launch(train, tier.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
                  timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record,

@@ -86,12 +86,36 @@ def jupyter_lab(tmp_path):
     log.close()
 
 
+def dismiss_dialogs(page) -> list[str]:
+    """Close JupyterLab's start-up dialogs (e.g. a kernel choice), pressing their default button; returns their text."""
+    seen = []
+    for _ in range(3):
+        dialog = page.locator(".jp-Dialog")
+        if not dialog.count() or not dialog.first.is_visible():
+            break
+        seen.append(dialog.first.inner_text())
+        print("JupyterLab dialog:", seen[-1].replace("\n", " | "))
+        accept = dialog.first.locator(".jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        time.sleep(0.5)
+    return seen
+
+
 def run_all(page, attempts: int = 3) -> None:
     """Run > Run All Cells, until the kernel has taken the first cell (a fresh session can miss it)."""
     first_prompt = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     for _ in range(attempts):
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        dismiss_dialogs(page)
+        try:
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click(timeout=10_000)
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click(timeout=10_000)
+        except PlaywrightTimeout:
+            continue  # a dialog came up meanwhile: dismissed at the top of the loop
         deadline = time.time() + 20
         while time.time() < deadline:
             if any(mark in first_prompt.inner_text() for mark in ("[*]", "[1]")):

@@ -19,6 +19,8 @@ TIERS: dict[str, str] = {
     "rpc": "dtlab.tiers.rpc",
     "pipeline": "dtlab.tiers.pipeline",
     "fsdp": "dtlab.tiers.fsdp",
+    "multinode": "dtlab.tiers.multinode",
+    "elastic": "dtlab.tiers.elastic",
 }
 
 

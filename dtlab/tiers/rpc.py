@@ -294,13 +294,14 @@ def _process(worker: RpcWorker, cfg: RunConfig) -> RankResult:
     return _serve(worker, cfg) if worker.rank == 0 else _train(worker, cfg)
 
 
-def run(cfg: RunConfig, *, progress: Any = True, record: bool = True) -> RunResult:
+def run(cfg: RunConfig, *, progress: Any = True, record: bool = True, stop: Any = None) -> RunResult:
     """Run the parameter server and ``cfg.world_size`` trainers; called by ``dtlab.run``."""
     o: Options = cfg.tier_options
     names = ["ps"] + [f"trainer{r}" for r in range(1, cfg.world_size + 1)]
     start = time.perf_counter()
     out = launch_rpc(_process, names, args=(cfg,), rpc_timeout_s=o.rpc_timeout_s, bind_address=o.bind_address,
-                     timeout_s=cfg.timeout_s, progress=progress, record=record, threads=cfg.threads_per_rank)
+                     timeout_s=cfg.timeout_s, progress=progress, record=record, threads=cfg.threads_per_rank,
+                     stop=stop)
     return RunResult(cfg, list(out), time.perf_counter() - start, out.logs)
 
 

@@ -1,0 +1,206 @@
+"""Simulated hosts: one Linux network namespace per node, capped links between them.
+
+Each node gets its own network namespace with one interface and its own
+address (10.213.0.1, 10.213.0.2, ...). The interfaces are veth pairs whose
+other ends sit on one bridge in the root namespace, so every node reaches
+every other through its own link. ``tc qdisc ... tbf`` caps each link in both
+directions (the node's upload on its side, its download on the bridge side).
+The kernel here has no netem, so latency is not added: the cost model adds it.
+
+Needs root (CAP_NET_ADMIN) and iproute2. Everything is removed on exit, also
+after an error or an interrupt; names carry the creating process id, so a
+later run removes what a killed one left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+__all__ = ["PREFIX", "Host", "NetnsError", "SimulatedHosts", "available", "leftovers", "remove_stale"]
+
+PREFIX = "dtlab-"  # namespace names: dtlab-<pid>-<token>-<node>
+_NS = re.compile(r"^dtlab-(\d+)-([0-9a-f]{6})-(\d+)$")
+_SUBNET = "10.213.0"
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or qdisc could not be made."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One simulated host: run its processes with ``ip netns exec <netns> ...``."""
+
+    netns: str
+    addr: str
+    ifname: str  # the interface inside the namespace (GLOO_SOCKET_IFNAME)
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") where namespaces can be made here, else (False, the reason in one line)."""
+    if os.geteuid() != 0:
+        return False, "simulated hosts need root (network namespaces): falling back to loopback nodes"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return False, f"simulated hosts need iproute2 ({' and '.join(missing)} not found): falling back to loopback"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return False, f"cannot create a network namespace ({proc.stderr.strip()}): falling back to loopback nodes"
+    _ip("netns", "del", probe, check=False)
+    return True, ""
+
+
+def _namespaces() -> list[str]:
+    out = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(netns: str) -> None:
+    for pid in _ip("netns", "pids", netns, check=False).split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _delete_namespace(netns: str) -> None:
+    _kill_inside(netns)
+    _ip("netns", "del", netns, check=False)  # its veth goes with it, and so the peer on the bridge
+
+
+def _bridges() -> list[str]:
+    out = _ip("-o", "link", "show", "type", "bridge", check=False)
+    return [m[1] for m in re.finditer(r"^\d+:\s+(dtb[0-9a-f]{6})[:@]", out, re.M)]
+
+
+def remove_stale() -> list[str]:
+    """Remove namespaces and bridges left by dtlab processes that no longer run; returns their names."""
+    removed = []
+    live_tokens = set()
+    for name in _namespaces():
+        m = _NS.match(name)
+        if not m:
+            if name.startswith(PREFIX) and name.endswith("-probe") and not _alive(int(name.split("-")[1])):
+                _delete_namespace(name)
+                removed.append(name)
+            continue
+        if _alive(int(m[1])) and int(m[1]) != os.getpid():
+            live_tokens.add(m[2])
+            continue
+        if int(m[1]) == os.getpid():  # ours, from a SimulatedHosts still open in this process
+            live_tokens.add(m[2])
+            continue
+        _delete_namespace(name)
+        removed.append(name)
+    for bridge in _bridges():
+        if bridge[3:] not in live_tokens:
+            _ip("link", "del", bridge, check=False)
+            removed.append(bridge)
+    return removed
+
+
+def leftovers(token: str | None = None) -> list[str]:
+    """dtlab namespaces and bridges that exist now (those of ``token`` only, if given)."""
+    names = [n for n in _namespaces() if n.startswith(PREFIX)] + _bridges()
+    return [n for n in names if token is None or token in n]
+
+
+def _burst_bytes(mbit: float) -> int:
+    # tbf needs at least one timer tick's worth of tokens (rate / HZ); 4 ms at the rate, 64 KiB at least.
+    return max(64 * 1024, int(mbit * 1e6 / 8 * 0.004))
+
+
+class SimulatedHosts:
+    """``with SimulatedHosts(2, link_mbit=200) as hosts:`` -> a list of ``Host``.
+
+    ``link_mbit=None`` leaves the links uncapped (veth speed, several Gbit/s).
+    """
+
+    def __init__(self, nodes: int, link_mbit: float | None = None) -> None:
+        if not isinstance(nodes, int) or not 1 <= nodes <= 250:
+            raise ValueError(f"nodes={nodes!r} is invalid: must be an integer from 1 to 250")
+        if link_mbit is not None and not link_mbit > 0:
+            raise ValueError(f"link_mbit={link_mbit!r} is invalid: must be > 0 Mbit/s (or None: uncapped)")
+        self.nodes, self.link_mbit = nodes, link_mbit
+        self.token = secrets.token_hex(3)
+        self.bridge = f"dtb{self.token}"
+        self.hosts: list[Host] = []
+
+    def __enter__(self) -> list[Host]:
+        ok, reason = available()
+        if not ok:
+            raise NetnsError(reason)
+        remove_stale()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self.hosts
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for i in range(self.nodes):
+            netns = f"{PREFIX}{os.getpid()}-{self.token}-{i}"
+            outside, inside = f"dtv{self.token}{i}", f"dtn{self.token}{i}"
+            _ip("netns", "add", netns)
+            self.hosts.append(Host(netns, f"{_SUBNET}.{i + 1}", inside))
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", netns)
+            _ip("link", "set", outside, "master", self.bridge, "up")
+            _ip("-n", netns, "addr", "add", f"{_SUBNET}.{i + 1}/24", "dev", inside)
+            _ip("-n", netns, "link", "set", inside, "up")
+            _ip("-n", netns, "link", "set", "lo", "up")
+            if self.link_mbit is not None:
+                self._cap(netns, inside)
+                self._cap(None, outside)
+
+    def _cap(self, netns: str | None, dev: str) -> None:
+        tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.link_mbit:g}mbit",
+              "burst", str(_burst_bytes(self.link_mbit)), "latency", "100ms"]
+        cmd = ["ip", "netns", "exec", netns, *tc] if netns else tc
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NetnsError(f"`{' '.join(tc)}` failed: {proc.stderr.strip()}")
+
+    def close(self) -> None:
+        """Remove every namespace (killing what still runs inside) and the bridge. Safe to call twice."""
+        for host in self.hosts:
+            _delete_namespace(host.netns)
+        for i in range(self.nodes):  # also those made before a failure recorded them
+            name = f"{PREFIX}{os.getpid()}-{self.token}-{i}"
+            if name in _namespaces():
+                _delete_namespace(name)
+        _ip("link", "del", self.bridge, check=False)
+        self.hosts = []
+
+    @staticmethod
+    def command(host: Host, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", host.netns, *cmd]

@@ -1,0 +1,127 @@
+"""Elastic DDP under torchrun: faults, restarts from snapshots, a node joining, and nothing lost."""
+
+import os
+
+import psutil
+import pytest
+import torch
+
+import dtlab
+from dtlab.config import RunConfig
+from dtlab.failures import RankError
+from dtlab.tiers import elastic
+
+BASE = dict(world_size=2, model_size=64, steps=20, threads_per_rank=1, optimizer="adam")
+
+
+def _cfg(**options):
+    return RunConfig(tier="elastic", **BASE, tier_options=elastic.Options(**options))
+
+
+def _kinds(result):
+    return [e["kind"] for e in result.run_events]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return dtlab.run(_cfg(), progress=False)
+
+
+def test_uninterrupted_elastic_run_matches_single(uninterrupted):
+    single = dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1}), progress=False)
+    assert uninterrupted.max_param_diff(single) <= 1e-5
+    assert "fault" not in _kinds(uninterrupted)
+    assert [e["step"] for e in uninterrupted.run_events if e["kind"] == "snapshot"] == [5, 10, 15, 20]
+
+
+def test_exception_fault_restarts_and_loses_nothing_bitwise(uninterrupted):
+    result = dtlab.run(_cfg(faults=("exception:12:0",)), progress=False)
+    assert result.max_param_diff(uninterrupted) == 0.0
+    resumes = [e for e in result.run_events if e["kind"] == "resume"]
+    assert {e["step"] for e in resumes} == {10} and {e["attempt"] for e in resumes} == {1}
+    errors = [e for e in result.run_events if e["kind"] == "worker_error" and e["rank"] == 0]
+    assert "injected fault 0" in errors[0]["message"]
+
+
+def test_repeated_sigkill_restarts_reliably_and_bitwise(uninterrupted):
+    # Three kills in one run, on different ranks: each attempt must re-rendezvous and resume.
+    result = dtlab.run(_cfg(faults=("sigkill:3:1", "sigkill:8:0", "sigkill:13:1")), progress=False)
+    assert result.max_param_diff(uninterrupted) == 0.0
+    assert [e["step"] for e in result.run_events if e["kind"] == "fault"] == [3, 8, 13]
+    assert sorted({e["attempt"] for e in result.run_events if e["kind"] == "worker_start"}) == [0, 1, 2, 3]
+    assert [e["step"] for e in result.run_events if e["kind"] == "resume" and e["rank"] == 0] == [5, 10]
+
+
+def test_simulated_oom_halves_the_micro_batch_and_keeps_the_training(uninterrupted):
+    result = dtlab.run(_cfg(faults=("oom:6:1",)), progress=False)
+    assert result.max_param_diff(uninterrupted) <= 1e-6
+    assert {r.strategy["accumulation_steps"] for r in result.ranks} == {2}
+    resumed = [e for e in result.run_events if e["kind"] == "resume"]
+    assert {e["accumulation_steps"] for e in resumed} == {2}
+    assert "oom_answer" in _kinds(result)
+
+
+def test_a_node_joins_and_the_world_grows():
+    single = dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1, "steps": 24}), progress=False)
+    result = dtlab.run(RunConfig(tier="elastic", **{**BASE, "steps": 24},
+                                 tier_options=elastic.Options(nnodes="1:2", join_at_step=8)), progress=False)
+    assert result.max_param_diff(single) <= 1e-5
+    assert len(result.ranks) == 2
+    starts = [e for e in result.run_events if e["kind"] == "worker_start"]
+    assert [e["world_size"] for e in starts if e["node"] == 0] == [1, 2]
+    nodes = [e for e in result.run_events if e["kind"] == "node_start"]
+    assert len({e["rdzv_id"] for e in nodes}) == 1  # one job, one rendezvous: a real join
+    # The first node's agent survived the join: both of its workers are its children.
+    assert {e["agent_pid"] for e in starts if e["node"] == 0} == {nodes[0]["agent_pid"]}
+    assert [e["step"] for e in result.run_events if e["kind"] == "resume" and e["rank"] == 0] == [8]
+
+
+def test_failure_beyond_max_restarts_is_reported_and_leaves_no_process():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RankError, match="injected fault 1"):
+        dtlab.run(_cfg(max_restarts=1, faults=("exception:3:1", "exception:4:1")), progress=False)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_snapshot_is_atomic_and_loads_with_weights_only(tmp_path):
+    result = dtlab.run(_cfg(snapshot_dir=str(tmp_path), snapshot_every=10), progress=False)
+    snap = torch.load(tmp_path / elastic.SNAPSHOT, weights_only=True)
+    assert snap["step"] == 20 and {"model", "optimizer", "rng", "sampler"} <= set(snap)
+    assert not list(tmp_path.glob("*.tmp"))
+    assert result.ranks[0].strategy["snapshots"] == [10, 20]
+
+
+def test_dcp_snapshots_resume_after_a_kill(uninterrupted, tmp_path):
+    result = dtlab.run(_cfg(snapshot_format="dcp", snapshot_dir=str(tmp_path), faults=("sigkill:7:1",)),
+                       progress=False)
+    assert result.max_param_diff(uninterrupted) <= 1e-6
+    assert (tmp_path / "step-00000005" / ".metadata").exists()
+
+
+def test_bad_elastic_input_fails_before_start(tmp_path):
+    with pytest.raises(ValueError, match="min 2 > max 1"):
+        _cfg(nnodes="2:1")
+    with pytest.raises(ValueError, match="max_restarts=-1"):
+        _cfg(max_restarts=-1)
+    with pytest.raises(ValueError, match="step 20 is beyond the run"):
+        _cfg(faults=("sigkill:20:1",))
+    with pytest.raises(ValueError, match="KIND one of"):
+        _cfg(faults=("meteor:3:1",))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="is not writable"):
+        _cfg(snapshot_dir=str(blocker / "snapshots"))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / elastic.SNAPSHOT).write_bytes(b"not a snapshot")
+    with pytest.raises(ValueError, match=f"snapshot {corrupt / elastic.SNAPSHOT} is corrupt"):
+        _cfg(snapshot_dir=str(corrupt))
+    with pytest.raises(ValueError, match="join_at_step"):
+        _cfg(nnodes="1:2")
+
+
+def test_timeline_frame_orders_the_events(uninterrupted):
+    df = elastic.timeline(uninterrupted)
+    assert df["t_s"].is_monotonic_increasing and df["t_s"].iloc[0] == 0
+    assert {"kind", "rank", "attempt", "step"} <= set(df.columns)
+    assert os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") is None  # set for the agents only

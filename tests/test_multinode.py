@@ -1,0 +1,107 @@
+"""Multi-node DDP: torchrun agents as nodes, on loopback and as simulated hosts with capped links."""
+
+import os
+
+import pytest
+
+import dtlab
+from dtlab import netns
+from dtlab.config import RunConfig
+from dtlab.failures import RankError
+from dtlab.tiers import multinode
+from dtlab.torchrun import Node, launch_torchrun
+
+from .parity import TOL as TOLERANCE
+
+ROOT = os.geteuid() == 0
+BASE = dict(world_size=2, model_size=256, steps=20, threads_per_rank=1, optimizer="sgd")
+
+
+def _cfg(**options):
+    return RunConfig(tier="multinode", **BASE, tier_options=multinode.Options(nnodes=2, **options))
+
+
+def _namespaces_required():
+    if not ROOT:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: the namespace tests must run there")
+        pytest.skip("simulated hosts need root")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1}), progress=False)
+
+
+def test_loopback_nodes_give_global_and_local_ranks_and_match_single(single):
+    result = dtlab.run(_cfg(network="loopback"), progress=False)
+    where = sorted((r.strategy["global_rank"], r.strategy["node"], r.strategy["local_rank"]) for r in result.ranks)
+    assert where == [(0, 0, 0), (1, 1, 0)]
+    assert result.max_param_diff(single) <= TOLERANCE
+    assert {e["kind"] for e in result.run_events} >= {"node_start", "worker_start", "process_group_ready"}
+
+
+def test_slow_link_makes_the_ddp_step_slower(single):
+    _namespaces_required()
+    fast = dtlab.run(_cfg(network="netns", link_mbit=10_000), progress=False)
+    slow = dtlab.run(_cfg(network="netns", link_mbit=200), progress=False)
+    assert [r.strategy["addr"] for r in slow.ranks] == ["10.213.0.1", "10.213.0.2"]
+    assert all(r.strategy["network"] == "netns" for r in slow.ranks)
+    # 85k float gradients = 340 KB per step: ~14 ms at 200 Mbit/s, well under 1 ms at 10 Gbit/s.
+    assert slow.median_step_s() > fast.median_step_s() * 1.5 + 0.003
+    assert slow.max_param_diff(single) <= TOLERANCE
+    assert netns.leftovers() == []
+
+
+def ranks_fail(info):
+    raise ValueError(f"rank {info.rank} fails inside its namespace")
+
+
+def test_failure_in_namespaces_leaves_nothing_behind():
+    _namespaces_required()
+    with pytest.raises(RankError, match="fails inside its namespace"):
+        with netns.SimulatedHosts(2, link_mbit=1000) as hosts:
+            launch_torchrun(ranks_fail, 1, nodes=[Node(h.addr, h.ifname, h.netns) for h in hosts], progress=False)
+    assert netns.leftovers() == []
+
+
+def test_interrupt_removes_namespaces():
+    _namespaces_required()
+    with pytest.raises(KeyboardInterrupt), netns.SimulatedHosts(3, link_mbit=100) as hosts:
+        assert len(netns.leftovers()) == 4  # three namespaces and the bridge
+        assert [h.addr for h in hosts] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
+        raise KeyboardInterrupt
+    assert netns.leftovers() == []
+
+
+def test_stale_namespaces_of_dead_processes_are_removed():
+    _namespaces_required()
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{netns.PREFIX}{dead.pid}-abcdef-0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    assert name in netns.remove_stale()
+    assert netns.leftovers() == []
+
+
+def test_without_root_it_says_so_and_falls_back(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    ok, reason = netns.available()
+    assert not ok and "root" in reason and "loopback" in reason
+    assert multinode.resolve_network(multinode.Options()) == ("loopback", reason)
+    with pytest.raises(ValueError, match="network='netns' cannot run here"):
+        _cfg(network="netns")
+
+
+def test_bad_multinode_options_fail_before_start():
+    with pytest.raises(ValueError, match="must be a multiple"):
+        RunConfig(tier="multinode", world_size=3, global_batch_size=63,
+                  tier_options=multinode.Options(nnodes=2, network="loopback"))
+    with pytest.raises(ValueError, match="network='bogus'"):
+        _cfg(network="bogus")
+    with pytest.raises(ValueError, match="link_mbit=100 needs network='netns'"):
+        _cfg(network="loopback", link_mbit=100)
+    with pytest.raises(ValueError, match="nodes=0"):
+        netns.SimulatedHosts(0)
