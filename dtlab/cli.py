@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtlab run | compare``."""
+"""Command line: ``python -m dtlab run | compare | bench | cluster``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab import tiers
+from dtlab import cluster, tiers
 from dtlab.config import RunConfig
 
 
@@ -112,6 +112,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    if args.collect:
+        try:
+            result = cluster.collect(args.collect)
+        except FileNotFoundError as exc:  # not finished, failed, or not a cluster directory: one line
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        out = result.save(args.collect)
+        summary = result.summary()
+        print(f"{result.config.tier} x{result.config.world_size}: median step {summary['median_step_s'] * 1e3:.2f} ms, "
+              f"final loss {summary['final_loss']:.4f}, test accuracy {summary.get('test_accuracy', float('nan')):.3f}")
+        print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json, params.pt")
+        return 0
+    if args.master_addr is None:
+        raise ValueError("--master-addr is required: the address or host name of node 0 (it hosts the rendezvous)")
+    launch = dict(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
+                  port=args.port, max_restarts=args.max_restarts, rdzv_id=args.rdzv_id, ifname=args.ifname)
+    # First: a bad launch (e.g. --nnodes 0) is named as such, not as the world size it would give.
+    cluster.check(args.tier, **launch)
+    cfg = config_from_args(args, args.tier, args.nnodes * args.nproc_per_node)
+    plan = cluster.plan(cfg, workdir=args.workdir, **launch)
+    paths = cluster.write(plan)
+    for i, command in enumerate(plan.commands):
+        print(f"node {i}:" + (f" (on {plan.master_addr}: it hosts the rendezvous)" if i == 0 else ""))
+        print(f"  {command}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    print(f"next: sbatch {plan.sbatch_path} (or run the command above on every node); once it has finished: "
+          f"python -m dtlab cluster --collect {plan.workdir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--only", default="", help="comma-separated benchmark names")
     p_bench.add_argument("--out", default="results/bench", help="output folder")
     p_bench.set_defaults(func=cmd_bench)
+    p_cl = sub.add_parser("cluster", help="write a multi-node torchrun job (node commands and a SLURM script), "
+                          "or --collect its results")
+    p_cl.add_argument("--tier", default="ddp", help=f"one of {', '.join(cluster.TIERS)}")
+    p_cl.add_argument("--nnodes", type=int, default=2, help="machines (one torchrun agent each)")
+    p_cl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per machine (e.g. its GPUs)")
+    p_cl.add_argument("--master-addr", default=None, help="address or host name of node 0 (required)")
+    p_cl.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    p_cl.add_argument("--workdir", default="results/cluster", help="a directory every node shares")
+    p_cl.add_argument("--max-restarts", type=int, default=None,
+                      help="torchrun restarts (default 0; the elastic tier's max_restarts for it)")
+    p_cl.add_argument("--ifname", default=None, help="network interface between the nodes (default: gloo's choice)")
+    p_cl.add_argument("--rdzv-id", default="dtlab", help="rendezvous id (the SLURM script uses the job id)")
+    p_cl.add_argument("--collect", default=None, metavar="WORKDIR",
+                      help="after the run: gather WORKDIR's results and write result.json etc. there")
+    _add_job_args(p_cl)
+    p_cl.set_defaults(func=cmd_cluster)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +62,14 @@ class Node:
 
 def torchrun_command(workdir: Path | str, nproc_per_node: int, *, nnodes: str = "1", port: int,
                      rdzv_id: str, max_restarts: int = 0, rdzv_host: str = "127.0.0.1",
-                     local_addr: str = "127.0.0.1", is_host: bool | None = None,
+                     local_addr: str | None = "127.0.0.1", is_host: bool | None = None,
                      rdzv_conf: dict[str, Any] | None = None, extra: tuple[str, ...] = (),
                      python: str = sys.executable) -> list[str]:
-    """The torchrun command line of one node (the same entry point dtlab documents for clusters)."""
+    """The torchrun command line of one node (the same entry point dtlab documents for clusters).
+
+    ``local_addr=None`` leaves ``--local-addr`` out: on a real cluster each node is known by its own
+    host name, which torchrun looks up itself, so one command line serves every node.
+    """
     conf = dict(rdzv_conf or {})
     if is_host is not None:
         # torchrun guesses whether it hosts the rendezvous store by comparing names;
@@ -75,7 +79,8 @@ def torchrun_command(workdir: Path | str, nproc_per_node: int, *, nnodes: str = 
     return [python, "-m", "torch.distributed.run", "--nnodes", nnodes,
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{rdzv_host}:{port}", "--rdzv-id", rdzv_id, *conf_args,
-            "--local-addr", local_addr, "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            *(["--local-addr", local_addr] if local_addr is not None else []),
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
             *extra, "-m", "dtlab.worker", str(workdir)]
 
 
@@ -217,10 +222,10 @@ def launch_torchrun(
     logs = {i: (work / f"torchrun-node{i}.log").read_text(errors="replace") for i in procs}
     try:
         events = worker.read_events(work)
-        results = sorted(work.glob("result-rank*.pkl"), key=lambda p: int(p.stem.removeprefix("result-rank")))
+        results = result_paths(work)
         ok = not note and all(p.returncode == 0 for i, p in procs.items() if i not in late)
         if ok and results:
-            out = LaunchResult(cloudpickle.loads(p.read_bytes()) for p in results)
+            out = LaunchResult(load_results(results.values()))
             out.logs = logs
             out.wall_s = time.perf_counter() - started
             out.events = events
@@ -233,6 +238,17 @@ def launch_torchrun(
     error = (CollectiveTimeout if timed_out else RankError)(failures, note=note)
     error.events = events
     raise error
+
+
+def result_paths(workdir: Path) -> dict[int, Path]:
+    """The result file each rank left in WORKDIR (``result-rank{R}.pkl``, see ``dtlab.worker``), in rank order."""
+    found = {int(p.stem.removeprefix("result-rank")): p for p in workdir.glob("result-rank*.pkl")}
+    return dict(sorted(found.items()))
+
+
+def load_results(paths: Iterable[Path]) -> list[Any]:
+    """The values the ranks returned, from their result files (cloudpickle, as the worker wrote them)."""
+    return [cloudpickle.loads(p.read_bytes()) for p in paths]
 
 
 def _running(procs: dict[int, subprocess.Popen]) -> bool:

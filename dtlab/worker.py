@@ -85,7 +85,10 @@ def _load(workdir: Path) -> tuple[Any, tuple, dict[str, Any]]:
         from dtlab.train import train
 
         cfg = RunConfig.from_dict(json.loads((workdir / CONFIG).read_text()))
-        return train, (cfg,), {"backend": cfg.backend, "device": cfg.device, "timeout_s": cfg.timeout_s}
+        # A config.json run is a cluster's: gloo takes the interface the host name resolves to
+        # (or GLOO_SOCKET_IFNAME), never loopback.
+        return train, (cfg,), {"backend": cfg.backend, "device": cfg.device, "timeout_s": cfg.timeout_s,
+                               "gloo_ifname": None}
     raise FileNotFoundError(f"{workdir} holds neither {PAYLOAD} nor {CONFIG}: nothing to run")
 
 
@@ -109,7 +112,9 @@ def main(workdir: Path) -> int:
     try:
         emit("worker_start", local_rank=int(os.environ.get("LOCAL_RANK", 0)), pid=os.getpid(), agent_pid=os.getppid())
         fn, args, options = _load(workdir)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options.get("gloo_ifname", "lo"))
+        gloo_ifname = options.get("gloo_ifname", "lo")  # dtlab's own launches keep gloo on loopback
+        if gloo_ifname:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_ifname)
         from dtlab.env import DistInfo
 
         info = DistInfo.init(options["backend"], options["device"], options["timeout_s"])
