@@ -600,6 +600,75 @@ def _validation_row(link: LinkModel, runs: pd.DataFrame, n: int, cap: float | No
             "measured_spread_s": float(ddp["step_s"].max() - ddp["step_s"].min())}
 
 
+# -- validation on simulated hosts with capped links ------------------------------------------------------
+def capped(link: LinkModel, mbit_per_s: float) -> LinkModel:
+    """``link`` behind a ``tc tbf`` cap of ``mbit_per_s``: the slower of the two sets the bandwidth.
+
+    tbf limits the rate, not the latency (no netem here), so alpha is kept. On
+    a 2-node ring each node's link carries its 2(n-1)/n S bytes in each
+    direction, which is what beta already counts.
+    """
+    cap = LinkModel.from_bandwidth(mbit_per_s, link.alpha_s, backend=link.backend, world_size=link.world_size)
+    return dataclasses.replace(link, beta_s_per_byte=max(link.beta_s_per_byte, cap.beta_s_per_byte),
+                               label=f"{link.label} capped at {mbit_per_s:g} Mbit/s", points=0,
+                               fit_rel_rms=float("nan"))
+
+
+def measure_links(cfg: Any, caps_mbit: Sequence[float], rounds: int = 3, *, nnodes: int = 2,
+                  warmup_steps: int = WARMUP_STEPS, log: Callable[[str], None] | None = None) -> pd.DataFrame:
+    """``measure`` for DDP across simulated hosts: one multinode run per link cap, interleaved per round.
+
+    ``cfg``: a ``ddp`` RunConfig (its world_size is ignored; one rank per node).
+    Besides the multinode runs (role ddp, column link_mbit), each round runs
+    the same compute and overhead calibration as ``measure``, all on this
+    machine without a network. Needs root (see ``dtlab.linksweep``).
+    """
+    from dtlab import linksweep
+
+    if cfg.tier != "ddp":
+        raise ValueError(f"measure_links needs a ddp RunConfig, got tier {cfg.tier!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
+    multinode = linksweep.link_configs(cfg.replace(world_size=nnodes), caps_mbit, ("allreduce",), nnodes=nnodes)
+    plan = [(role, c) for role, c in _measure_plan(cfg, (nnodes,), (cfg.tier_options.bucket_cap_mb,))
+            if role != "ddp"]
+    plan += [("ddp", c) for c in multinode]
+    rows = []
+    for r in range(rounds):
+        for role, run_cfg in plan:
+            mbit = float(getattr(run_cfg.tier_options, "link_mbit", float("nan")))
+            rows.append({"round": r, "role": role, "link_mbit": mbit if role == "ddp" else float("nan"),
+                         **_run(run_cfg, warmup_steps)})
+        if log is not None:
+            log(f"round {r + 1}/{rounds} done ({len(plan)} runs)")
+    return pd.DataFrame(rows)
+
+
+def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = None) -> pd.DataFrame:
+    """``validate`` for ``measure_links``' frame: each cap predicted with ``capped(link, cap)``.
+
+    The link is the loopback calibration; the cap enters only through ``capped``
+    -- nothing is fitted on the multinode runs.
+    """
+    if "link_mbit" not in runs.columns:
+        raise ValueError("validate_links: the runs have no link_mbit column: make them with measure_links")
+    ddp = runs[runs["role"] == "ddp"]
+    if ddp.empty:
+        raise ValueError("validate_links: the runs frame has no multinode (ddp) rows")
+    cores = cores or os.cpu_count() or 1
+    cap_mb = float(ddp["bucket_cap_mb"].iloc[0])
+    gamma = overhead_from(runs, cap_mb)
+    rows = []
+    for mbit in sorted(ddp["link_mbit"].unique(), reverse=True):
+        keep = (runs["role"] != "ddp") | (runs["link_mbit"] == mbit)
+        n = int(ddp.loc[ddp["link_mbit"] == mbit, "world_size"].iloc[0])
+        row = _validation_row(capped(link, float(mbit)), runs[keep], n, cap_mb, gamma, cores)
+        speed = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+        rows.append({**row, "label": f"n={n}, {speed} simulated hosts" + (" (oversubscribed)" if row["oversubscribed"]
+                                                                          else ""), "link_mbit": float(mbit)})
+    return pd.DataFrame(rows)
+
+
 def summary(df: pd.DataFrame, median_target: float = MEDIAN_TARGET, max_target: float = MAX_TARGET) -> dict[str, Any]:
     """Median and worst error over the counted points, and whether they meet the targets."""
     for col in ("error", "counted"):

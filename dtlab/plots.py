@@ -413,6 +413,95 @@ def sweep(df: pd.DataFrame, x: str, y: str, *, title: str, xlabel: str, ylabel: 
     return fig
 
 
+# -- 7b. the network and elastic runs ---------------------------------------------
+LINK_COLORS = {"compute and hidden comm": "tab:blue", "exposed comm": "tab:red"}
+
+
+def link_sweep(df: pd.DataFrame) -> Figure:
+    """DDP step time per (link cap, comm hook), split into compute and exposed communication (ms).
+
+    ``df``: ``dtlab.linksweep.link_sweep``'s frame (label, step_ms, exposed_comm_ms,
+    comm_mb_per_step). Each bar's end gives the step time; the MB sent per step is
+    written beside the label.
+    """
+    _require(df, ("label", "step_ms", "exposed_comm_ms", "comm_mb_per_step"), "link_sweep")
+    exposed = df["exposed_comm_ms"].clip(lower=0).to_numpy(float)
+    step = df["step_ms"].to_numpy(float)
+    parts = {"compute and hidden comm": np.clip(step - exposed, 0, None), "exposed comm": np.minimum(exposed, step)}
+    labels = [f"{lab} ({mb:.2g} MB/step)" for lab, mb in zip(df["label"].astype(str), df["comm_mb_per_step"])]
+    fig = _figure(_bar_height(len(df)))
+    ax = fig.subplots()
+    _stacked_barh(ax, labels, parts, LINK_COLORS, "ms")
+    ax.set(title="DDP step time by link cap and gradient compression", xlabel="time per step (ms)")
+    ax.grid(axis="x", alpha=0.3)
+    _bottom_legend(fig, ax)
+    return fig
+
+
+# kind -> (legend name, color, marker); kinds not listed are not drawn
+TIMELINE_MARKERS = {
+    "node_start": ("agent started", "black", "s"),
+    "worker_start": ("worker started", "tab:gray", "^"),
+    "process_group_ready": ("process group ready", "tab:cyan", "|"),
+    "begin": ("training begins", "tab:green", ">"),
+    "resume": ("resumed from snapshot", "tab:olive", "*"),
+    "snapshot": ("snapshot saved", "tab:orange", "D"),
+    "waiting_for_join": ("waiting for a node", "tab:purple", "o"),
+    "oom_answer": ("OOM answered (accumulation x2)", "tab:pink", "P"),
+    "fault": ("injected fault", "red", "X"),
+    "worker_error": ("worker failed", "darkred", "x"),
+    "worker_finish": ("worker finished", "black", "|"),
+}
+
+
+def elastic_timeline(df: pd.DataFrame) -> Figure:
+    """An elastic run's events on one time axis: one lane per rank (and one for the agents).
+
+    ``df``: ``dtlab.tiers.elastic.timeline``'s frame (t_s, kind, rank, attempt,
+    world_size, step). Steps are drawn as bars per rank and attempt; each attempt
+    is shaded and labelled with its world size, so a restart (the gap after a
+    fault) and a change of world size read directly off the plot.
+    """
+    _require(df, ("t_s", "kind", "rank"), "elastic_timeline")
+    ranks = sorted(int(r) for r in df["rank"].dropna().unique())
+    lanes = ["agents", *[f"rank {r}" for r in ranks]]
+    lane_of = {r: i + 1 for i, r in enumerate(ranks)}
+    y = df["rank"].map(lambda r: 0 if pd.isna(r) else lane_of[int(r)])
+    fig = _figure(max(2.8, 1.9 + 0.5 * len(lanes)))
+    ax = fig.subplots()
+    if "attempt" in df.columns:
+        for i, (attempt, rows) in enumerate(df.dropna(subset=["attempt"]).groupby("attempt")):
+            t0, t1 = float(rows["t_s"].min()), float(rows["t_s"].max())
+            ax.axvspan(t0, t1, color="0.93" if i % 2 == 0 else "0.86", zorder=0)
+            world = rows["world_size"].dropna() if "world_size" in rows else pd.Series(dtype=float)
+            text = f"attempt {int(attempt)}" + (f"\nworld {int(world.max())}" if len(world) else "")
+            ax.text((t0 + t1) / 2, -1.2, text, ha="center", va="top", fontsize=7)
+    span = float(df["t_s"].max() - df["t_s"].min()) or 1.0
+    steps = df[df["kind"] == "step"].assign(_y=y)
+    keys = ["_y", "attempt"] if "attempt" in steps.columns else ["_y"]
+    for i, (_, rows) in enumerate(steps.groupby(keys)):
+        t0, t1 = float(rows["t_s"].min()), float(rows["t_s"].max())
+        ax.barh(rows["_y"].iloc[0], max(t1 - t0, span * 0.006), left=t0, height=0.35, color="tab:blue", alpha=0.6,
+                label="training steps" if i == 0 else None, zorder=2)
+    for kind, (name, color, marker) in TIMELINE_MARKERS.items():
+        rows = df[df["kind"] == kind]
+        if not len(rows):
+            continue
+        ax.scatter(rows["t_s"], y[rows.index], color=color, marker=marker, s=45, label=name, zorder=3)
+        if kind in ("fault", "resume") and "step" in rows.columns:
+            for (t, yy, st) in zip(rows["t_s"], y[rows.index], rows["step"]):
+                if pd.notna(st):
+                    ax.annotate(f"step {int(st)}", (t, yy), textcoords="offset points", xytext=(4, 6), fontsize=7,
+                                color=color)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -1.3)  # room above the lanes for the attempt labels
+    ax.set_xlim(float(df["t_s"].min()) - span * 0.03, float(df["t_s"].max()) + span * 0.1)
+    ax.set(title="Elastic run: steps, snapshots, faults and restarts", xlabel="time since the first event (s)")
+    ax.grid(axis="x", alpha=0.3)
+    _bottom_legend(fig, ax, max_cols=4)
+    return fig
+
+
 # -- 8. files ---------------------------------------------------------------------
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     """Write ``fig`` as a PNG at 120 dpi, creating parent folders; returns the path."""

@@ -21,10 +21,12 @@ from typing import Any
 
 import ipywidgets as w
 
-from dtlab import tiers
+from dtlab import netns, tiers
 from dtlab.config import MODELS, RunConfig
 
-BUCKETED = {"ddp", "zero"}  # tiers with DDP's knobs
+BUCKETED = {"ddp", "zero", "multinode", "elastic"}  # tiers with DDP's knobs
+LINK_CAPS = [("loopback nodes", 0.0), ("10 Gbit/s", 10_000.0), ("1 Gbit/s", 1_000.0), ("200 Mbit/s", 200.0)]
+FAULTS = ["none", "exception", "sigkill", "oom"]
 HISTORY = Path("results/history")
 
 
@@ -73,9 +75,13 @@ class Lab:
         self.bucket = w.FloatLogSlider(value=25.0, base=10, min=-4, max=2, step=0.1, readout_format=".3g",
                                        description="bucket MB", style=style)
         self.hook = w.Dropdown(options=["allreduce", "fp16", "bf16", "powersgd"], description="comm hook", style=style)
-        # Shown, and explained, but off until the tiers that use them exist.
-        self.link = w.Dropdown(options=["loopback"], description="link cap", disabled=True, style=style)
-        self.fault = w.Dropdown(options=["none"], description="fault", disabled=True, style=style)
+        # Link caps need network namespaces (root); elsewhere only loopback nodes are offered, and why is shown.
+        self._netns, self._netns_reason = netns.available()
+        self.link = w.Dropdown(options=LINK_CAPS if self._netns else LINK_CAPS[:1], value=0.0,
+                               description="link cap", style=style)
+        self.fault = w.Dropdown(options=FAULTS, value=defaults.get("fault", "none"), description="fault",
+                                style=style)
+        self.last_result: Any = None  # the latest finished run's RunResult
         self.message = w.HTML()
         self.run_button = w.Button(description="Run", button_style="success", icon="play")
         self.stop_button = w.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
@@ -93,7 +99,7 @@ class Lab:
         self.refresh_button = w.Button(description="Refresh", icon="refresh")
         self.compare_out = w.VBox()
         for control in (self.tier, self.world_size, self.model, self.model_size, self.batch, self.steps,
-                        self.bucket, self.hook):
+                        self.bucket, self.hook, self.link, self.fault):
             control.observe(self._guard(self._validate), names="value")
         self.run_button.on_click(self._guard(self._start))
         self.stop_button.on_click(self._guard(lambda _b: self._stop.set()))
@@ -139,28 +145,51 @@ class Lab:
         """The RunConfig the controls describe (raises ValueError naming what is wrong)."""
         tier = self.tier.value
         options = None
+        world = 1 if tier == "single" else self.world_size.value
         if tier in BUCKETED:
-            options = tiers.get(tier).Options(bucket_cap_mb=self.bucket.value, comm_hook=self.hook.value)
+            knobs: dict[str, Any] = {"bucket_cap_mb": self.bucket.value, "comm_hook": self.hook.value}
+            if tier == "multinode":
+                knobs.update(nnodes=2 if world % 2 == 0 else 1, link_mbit=self.link.value,
+                             network="netns" if self.link.value else "loopback")
+            if tier == "elastic" and self.fault.value != "none":
+                knobs["faults"] = (self.fault_spec(),)
+            options = tiers.get(tier).Options(**knobs)
         text = self.model.value == "charformer"
-        return RunConfig(tier=tier, world_size=1 if tier == "single" else self.world_size.value,
+        return RunConfig(tier=tier, world_size=world,
                          model=self.model.value, model_size=self.model_size.value,
                          dataset="text" if text else "digits", global_batch_size=self.batch.value,
                          steps=self.steps.value, lr=0.003 if text else 0.01, tier_options=options)
+
+    def fault_spec(self) -> str:
+        """The picked fault as the elastic tier's "KIND:STEP:RANK": halfway through, on the last rank."""
+        return f"{self.fault.value}:{max(1, self.steps.value // 2)}:{self.world_size.value - 1}"
+
+    def _notes(self, tier: str) -> str:
+        if tier == "multinode":
+            note = ("each node its own network namespace, its link capped with tc tbf" if self._netns
+                    else f"link caps unavailable: {self._netns_reason}")
+        elif tier == "elastic":
+            note = (f"fault {self.fault_spec()} (kind:step:rank): the run restarts from its last snapshot"
+                    if self.fault.value != "none" else "pick a fault to watch the run restart from a snapshot")
+        else:
+            note = "link cap: multinode tier only; fault: elastic tier only"
+        return f"<i>{note}</i>"
 
     def _validate(self, _change: Any = None) -> None:
         tier = self.tier.value
         self.world_size.disabled = tier == "single"
         self.bucket.disabled = self.hook.disabled = tier not in BUCKETED
-        notes = ["<i>link cap and fault injection need the multinode and elastic tiers, not in dtlab yet</i>"]
+        self.link.disabled = tier != "multinode"
+        self.fault.disabled = tier != "elastic"
         try:
             cfg = self.config()
         except ValueError as exc:
-            self.message.value = f"<span style='color:#b00'>cannot run this: {exc}</span><br>" + notes[0]
+            self.message.value = f"<span style='color:#b00'>cannot run this: {exc}</span><br>" + self._notes(tier)
             self.run_button.disabled = True
             return
         procs = tiers.get(tier).processes(cfg)
         self.message.value = (f"<span style='color:#070'>ready: {tier}, {cfg.world_size} rank(s) in {procs} "
-                              f"process(es), per-rank batch {cfg.per_rank_batch}</span><br>" + notes[0])
+                              f"process(es), per-rank batch {cfg.per_rank_batch}</span><br>" + self._notes(tier))
         self.run_button.disabled = self._thread is not None and self._thread.is_alive()
 
     def _start(self, _button: Any = None) -> None:
@@ -173,6 +202,19 @@ class Lab:
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._thread = threading.Thread(target=self._guard(self._run), args=(cfg, bars), daemon=True)
         self._thread.start()
+
+    def run_and_wait(self, timeout_s: float = 300.0) -> Any:
+        """Press Run and wait for the run to end (for scripts and notebooks run top to bottom)."""
+        self.config()  # a bad combination raises its ValueError here rather than only in the panel
+        self.last_result = None
+        self.run_button.click()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self._stop.set()
+                self._thread.join(30)
+                raise TimeoutError(f"the run did not finish within {timeout_s:g} s and was stopped")
+        return self.last_result
 
     def _run(self, cfg: RunConfig, bars: list[w.IntProgress]) -> None:
         from dtlab.launcher import LaunchStopped
@@ -209,6 +251,7 @@ class Lab:
             self.live.value = _png(self._live_figure(live, throughput))  # the last points too
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = result.save(self.history / f"{stamp}-{cfg.tier}-w{cfg.world_size}")
+        self.last_result = result
         self._show_result(result, folder)
         self._refresh_history()
 
@@ -237,6 +280,10 @@ class Lab:
         self.status.value = f"<b>finished</b>: {result.label} in {result.wall_s:.1f} s"
         images = [w.Image(value=_png(plots.loss_curves({result.label: result.loss_curve()})), format="png"),
                   w.Image(value=_png(plots.step_breakdown(breakdown_frame([result]))), format="png")]
+        if result.config.tier == "elastic":
+            from dtlab.tiers.elastic import timeline
+
+            images.append(w.Image(value=_png(plots.elastic_timeline(timeline(result))), format="png"))
         self.result.children = [w.HTML(_table(rows)), *images]
 
     def _refresh_history(self) -> None:

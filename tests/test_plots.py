@@ -195,3 +195,38 @@ def test_sweep_marks_the_best_point(tmp_path):
     assert ax.get_legend().get_texts()[0].get_text() == "best: 0.1"
     path = plots.save(fig, tmp_path / "sweep.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_link_sweep_splits_compute_and_exposed_comm(tmp_path):
+    df = pd.DataFrame({"label": ["10 Gbit/s · allreduce", "200 Mbit/s · allreduce", "200 Mbit/s · fp16"],
+                       "step_ms": [8.8, 63.4, 36.0], "exposed_comm_ms": [2.9, 50.7, 24.9],
+                       "comm_mb_per_step": [1.2, 1.2, 0.6]})
+    fig = plots.link_sweep(df)
+    assert_png(fig, tmp_path / "links.png")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "time per step (ms)"
+    widths = [p.get_width() for p in ax.patches]  # compute bars, then exposed-comm bars
+    assert widths[3:] == pytest.approx([2.9, 50.7, 24.9])
+    assert np.add(widths[:3], widths[3:]) == pytest.approx([8.8, 63.4, 36.0])
+    assert "200 Mbit/s · fp16 (0.6 MB/step)" in [t.get_text() for t in ax.get_yticklabels()]
+
+
+def test_elastic_timeline_shades_attempts_and_marks_the_fault(tmp_path):
+    rows = [{"t_s": 0.0, "kind": "node_start", "rank": np.nan, "attempt": np.nan, "world_size": np.nan, "step": np.nan}]
+    for attempt, (t0, world) in enumerate([(1.0, 2), (6.0, 2)]):
+        for rank in range(world):
+            rows.append({"t_s": t0, "kind": "worker_start", "rank": rank, "attempt": attempt, "world_size": world})
+            rows.append({"t_s": t0 + 0.5, "kind": "begin" if attempt == 0 else "resume", "rank": rank,
+                         "attempt": attempt, "world_size": world, "step": 0 if attempt == 0 else 5})
+            first = 0 if attempt == 0 else 5
+            rows += [{"t_s": t0 + 1 + 0.1 * s, "kind": "step", "rank": rank, "attempt": attempt,
+                      "world_size": world, "step": first + s} for s in range(1, 5)]
+    rows.append({"t_s": 2.0, "kind": "fault", "rank": 1, "attempt": 0, "world_size": 2, "step": 7})
+    fig = plots.elastic_timeline(pd.DataFrame(rows))
+    assert_png(fig, tmp_path / "timeline.png")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["agents", "rank 0", "rank 1"]
+    texts = [t.get_text() for t in ax.texts]
+    assert "attempt 0\nworld 2" in texts and "attempt 1\nworld 2" in texts and "step 7" in texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"injected fault", "training steps", "resumed from snapshot"} <= set(legend)

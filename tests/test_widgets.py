@@ -72,3 +72,27 @@ def test_callback_errors_are_shown_in_the_log(tmp_path):
     broken = lab._guard(lambda: 1 / 0)
     broken()
     assert any("ZeroDivisionError" in o.get("text", "") for o in lab.log.outputs)
+
+
+def test_link_cap_and_fault_knobs_follow_the_tier(tmp_path):
+    lab = Lab(history=tmp_path)
+    lab.tier.value = "multinode"
+    assert not lab.link.disabled and lab.fault.disabled
+    assert lab.config().tier_options.nnodes == 2
+    lab.tier.value = "elastic"
+    assert lab.link.disabled and not lab.fault.disabled
+    lab.steps.value, lab.fault.value = 20, "sigkill"
+    assert lab.config().tier_options.faults == ("sigkill:10:1",)
+    assert "sigkill:10:1" in lab.message.value
+
+
+def test_a_fault_picked_in_the_panel_restarts_the_run_and_loses_nothing(tmp_path):
+    lab = Lab(history=tmp_path, tier="elastic", world_size=2, steps=10, model_size=16)
+    clean = lab.run_and_wait(timeout_s=120)
+    lab.fault.value = "exception"
+    faulted = lab.run_and_wait(timeout_s=120)
+    assert "finished" in lab.status.value, lab.status.value
+    assert [e["step"] for e in faulted.run_events if e["kind"] == "fault"] == [5]
+    assert faulted.max_param_diff(clean) == 0.0
+    images = [c for c in lab.result.children if c.__class__.__name__ == "Image"]
+    assert len(images) == 3  # loss, step breakdown and the elastic timeline
