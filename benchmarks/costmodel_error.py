@@ -8,7 +8,10 @@ compares with the measured DDP step. Two bucket caps: 25 MB (one bucket, ready
 only when backward ends: nothing overlaps) and 2 MB (3 buckets: the first two
 overlap backward). Global batch 128, one thread per rank; every run of a round
 is interleaved with the others. World size 4 oversubscribes a 2-core machine:
-reported, not counted.
+reported, not counted. As root, also DDP across two simulated hosts (one
+rank each, ``multinode`` tier) on links capped at 10 Gbit/s, 1 Gbit/s and
+200 Mbit/s: predicted with the loopback link behind each cap
+(``costmodel.capped``), nothing fitted on them.
 
 Prints ``costmodel.median_error`` (target <= 0.15) and ``costmodel.max_error``
 (target <= 0.30, worst counted point); writes ``costmodel_error.csv`` (the
@@ -21,8 +24,9 @@ points), ``costmodel_error_runs.csv`` (every run), ``costmodel_error_sweep.csv``
 from __future__ import annotations
 
 import _common as common
+import pandas as pd
 
-from dtlab import collectives, costmodel, plots
+from dtlab import collectives, costmodel, netns, plots
 from dtlab.config import RunConfig
 from dtlab.tiers import ddp
 
@@ -30,6 +34,8 @@ NAME = "costmodel_error"
 WORLD_SIZES = (1, 2, 4)
 BUCKET_CAPS_MB = (25.0, 2.0)
 QUICK_BUCKET_CAPS_MB = (25.0, 0.1)
+LINK_CAPS_MBIT = (10_000.0, 1_000.0, 200.0)
+QUICK_LINK_CAPS_MBIT = (200.0,)
 
 
 def config(quick: bool) -> RunConfig:
@@ -50,7 +56,9 @@ def calibrate(args) -> tuple[costmodel.LinkModel, object]:
 
 def point_text(row) -> str:
     over = " oversubscribed, not counted" if row["oversubscribed"] else ""
-    what = f"n={int(row['world_size'])} {int(row['buckets'])}b{over}"
+    mbit = row.get("link_mbit", float("nan"))
+    where = f" {mbit:g} Mbit/s hosts" if mbit == mbit else ""
+    what = f"n={int(row['world_size'])} {int(row['buckets'])}b{where}{over}"
     return (f"{what}: predicted {row['predicted_s'] * 1e3:.1f} ms vs measured {row['measured_s'] * 1e3:.1f} ms "
             f"({row['signed_error']:+.1%})")
 
@@ -64,6 +72,17 @@ def main() -> None:
                              log=common.note)
     df = costmodel.validate(link, runs)
     df["overhead_s_per_byte"] = [costmodel.overhead_from(runs, cap) for cap in df["bucket_cap_mb"]]
+    ok, reason = netns.available()
+    if ok:
+        link_runs = costmodel.measure_links(cfg.replace(tier_options=ddp.Options(bucket_cap_mb=caps[0])),
+                                            QUICK_LINK_CAPS_MBIT if args.quick else LINK_CAPS_MBIT,
+                                            rounds=common.repeats(args, full=3, quick=1), log=common.note)
+        linked = costmodel.validate_links(link, link_runs)
+        linked["overhead_s_per_byte"] = costmodel.overhead_from(link_runs, caps[0])
+        df = pd.concat([df.assign(link_mbit=float("nan")), linked], ignore_index=True)
+        runs = pd.concat([runs, link_runs.assign(source="simulated hosts")], ignore_index=True)
+    else:
+        common.note(f"capped links not measured: {reason}")
     for _, row in df.iterrows():
         common.note(point_text(row))
     common.write_csv(args.out / f"{NAME}.csv",

@@ -235,6 +235,32 @@ def test_validation_per_bucket_cap_uses_that_caps_overhead():
     assert df.loc[25.0, "label"] == "n=2, 1 bucket" and df.loc[0.004, "buckets"] == 3
 
 
+def test_capped_link_takes_the_slower_bandwidth_and_keeps_alpha():
+    link = cm.LinkModel(alpha_s=300e-6, beta_s_per_byte=1 / 0.7e9)
+    slow = cm.capped(link, 200)
+    assert slow.alpha_s == link.alpha_s and slow.bandwidth_mbit_per_s == pytest.approx(200)
+    assert cm.capped(link, 100_000).beta_s_per_byte == link.beta_s_per_byte  # faster than the link: no change
+    assert "capped at 200 Mbit/s" in slow.label
+
+
+def test_validate_links_predicts_each_cap_from_the_loopback_link_only():
+    half = {k: v / 2 for k, v in PHASES.items()}
+    rows = [{**run_row("compute", 1, 32, sum(half.values()), phases=half), "link_mbit": np.nan},
+            {**run_row("overhead_single", 1, 8, 0.010), "link_mbit": np.nan},
+            {**run_row("overhead_ddp", 1, 8, 0.011, buckets="10000"), "bucket_cap_mb": 25.0, "link_mbit": np.nan}]
+    for mbit, measured in ((1000.0, 0.03), (200.0, 0.09)):
+        rows.append({**run_row("ddp", 2, 32, measured, buckets="10000"), "bucket_cap_mb": 25.0, "link_mbit": mbit})
+    link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-9)
+    df = cm.validate_links(link, pd.DataFrame(rows), cores=2).set_index("link_mbit")
+    for mbit in (1000.0, 200.0):
+        expected = cm.predict_ddp_step(half, [10000], cm.capped(link, mbit), 2, overhead_s=0.001).step_s
+        assert df.loc[mbit, "predicted_s"] == pytest.approx(expected)
+    assert df.loc[200.0, "label"] == "n=2, 200 Mbit/s simulated hosts"
+    assert df.loc[1000.0, "label"] == "n=2, 1 Gbit/s simulated hosts"
+    with pytest.raises(ValueError, match="no link_mbit column"):
+        cm.validate_links(link, synthetic_runs(0.02))
+
+
 def test_summary_counts_only_counted_points():
     df = pd.DataFrame({"error": [0.05, 0.10, 0.90], "counted": [True, True, False]})
     s = cm.summary(df)

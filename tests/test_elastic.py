@@ -125,3 +125,24 @@ def test_timeline_frame_orders_the_events(uninterrupted):
     assert df["t_s"].is_monotonic_increasing and df["t_s"].iloc[0] == 0
     assert {"kind", "rank", "attempt", "step"} <= set(df.columns)
     assert os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") is None  # set for the agents only
+
+
+def test_sigkill_at_world_size_4_loses_nothing():
+    job = {**BASE, "world_size": 4, "steps": 10, "global_batch_size": 64}
+    clean = dtlab.run(RunConfig(tier="elastic", **job, tier_options=elastic.Options()), progress=False)
+    killed = dtlab.run(RunConfig(tier="elastic", **job, tier_options=elastic.Options(faults=("sigkill:7:2",))),
+                       progress=False)
+    assert killed.max_param_diff(clean) <= 1e-6
+    assert [e["step"] for e in killed.run_events if e["kind"] == "resume" and e["rank"] == 0] == [5]
+    assert len(killed.ranks) == 4
+
+
+def test_a_node_joins_and_dcp_snapshots_reshard_to_the_new_world(tmp_path):
+    single = dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1, "steps": 16}), progress=False)
+    options = elastic.Options(nnodes="1:2", join_at_step=8, snapshot_format="dcp", snapshot_dir=str(tmp_path))
+    result = dtlab.run(RunConfig(tier="elastic", **{**BASE, "steps": 16}, tier_options=options), progress=False)
+    assert result.max_param_diff(single) <= 1e-5
+    # saved by a world of 1 at step 8, loaded by a world of 2
+    assert (tmp_path / "step-00000008" / ".metadata").exists()
+    resumed = [e for e in result.run_events if e["kind"] == "resume"]
+    assert {e["world_size"] for e in resumed} == {2} and {e["step"] for e in resumed} == {8}

@@ -105,3 +105,31 @@ def test_bad_multinode_options_fail_before_start():
         _cfg(network="loopback", link_mbit=100)
     with pytest.raises(ValueError, match="nodes=0"):
         netns.SimulatedHosts(0)
+
+
+def test_link_sweep_shows_compression_recovering_a_slow_link():
+    _namespaces_required()
+    from dtlab import linksweep
+
+    base = RunConfig(tier="ddp", **{**BASE, "steps": 10})
+    df = linksweep.link_sweep(base, caps_mbit=(200,), hooks=("allreduce", "fp16"), progress=None)
+    full, half = (df[df["comm_hook"] == h].iloc[0] for h in ("allreduce", "fp16"))
+    assert full["comm_mb_per_step"] == pytest.approx(2 * half["comm_mb_per_step"], rel=0.01)
+    # 340 KB per step at 200 Mbit/s is ~14 ms of exposed communication; fp16 sends half of it.
+    assert full["exposed_comm_ms"] > 8 and half["exposed_comm_ms"] < 0.8 * full["exposed_comm_ms"]
+    assert (df["compute_ms"] + df["exposed_comm_ms"]).to_numpy() == pytest.approx(df["step_ms"].to_numpy())
+    assert list(df["label"]) == ["200 Mbit/s · allreduce", "200 Mbit/s · fp16"]
+    assert netns.leftovers() == []
+
+
+def test_link_sweep_refuses_bad_input_and_says_why_without_root(monkeypatch):
+    from dtlab import linksweep
+
+    base = RunConfig(tier="ddp", **BASE)
+    with pytest.raises(ValueError, match="caps_mbit"):
+        linksweep.link_configs(base, caps_mbit=(0,))
+    with pytest.raises(ValueError, match="hooks=\\('zip',\\)"):
+        linksweep.link_configs(base, hooks=("zip",))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ValueError, match="needs simulated hosts: simulated hosts need root"):
+        linksweep.link_configs(base)
