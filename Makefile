@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m dtlab bench --out results/bench
+	$(PY) -m dtlab bench --out results/bench --readme
 
 clean:
 	rm -rf results .pytest_cache

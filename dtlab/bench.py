@@ -3,7 +3,8 @@
 Each benchmark prints ``NAME: measured RATIO (target ...) pass|MISS -- detail``;
 this runner runs them one after another (never two at once: they would disturb
 each other's timings), parses those lines and writes ``summary.csv`` and
-``summary.md`` with the date and the machine.
+``summary.md`` with the date and the machine; ``--readme`` puts that table into
+the README between its ``bench:begin`` and ``bench:end`` markers.
 """
 
 from __future__ import annotations
@@ -73,3 +74,18 @@ def write_summary(out: Path, rows: list[dict[str, str]], quick: bool) -> None:
         verdict = (r["verdict"] or "").strip() or "—"
         lines.append(f"| `{r['name']}` | {float(r['value']):.3f} | {r['target']} | {verdict} | {r['detail'] or ''} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def update_readme(readme: Path, summary_md: str) -> None:
+    """Replace what lies between the README's bench markers with ``summary_md`` (written atomically)."""
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} section to regenerate")
+    new = text[:start + len(README_BEGIN)] + "\n" + summary_md.strip() + "\n" + text[end:]
+    tmp = readme.with_name(readme.name + ".tmp")
+    tmp.write_text(new)
+    tmp.replace(readme)

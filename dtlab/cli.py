@@ -103,12 +103,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dtlab.bench import run_all
 
     only = [n.strip() for n in args.only.split(",")] if args.only else None
+    if args.readme and (args.quick or only):
+        print("error: --readme needs the full run of every benchmark (no --quick, no --only)", file=sys.stderr)
+        return 2
     try:
         run_all(Path(args.out), quick=args.quick, only=only)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}/summary.md and summary.csv")
+    if args.readme:
+        from dtlab.bench import update_readme
+
+        readme = Path(__file__).resolve().parents[1] / "README.md"
+        update_readme(readme, (Path(args.out) / "summary.md").read_text())
+        print(f"regenerated the benchmark table in {readme}")
     return 0
 
 
@@ -164,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="smoke mode: checks each benchmark runs")
     p_bench.add_argument("--only", default="", help="comma-separated benchmark names")
     p_bench.add_argument("--out", default="results/bench", help="output folder")
+    p_bench.add_argument("--readme", action="store_true", help="regenerate README.md's benchmark table")
     p_bench.set_defaults(func=cmd_bench)
     p_cl = sub.add_parser("cluster", help="write a multi-node torchrun job (node commands and a SLURM script), "
                           "or --collect its results")

@@ -25,3 +25,21 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     rows = run_all(tmp_path, quick=True)
     assert {r["script"] for r in rows} == {p.stem for p in scripts()}
     assert (tmp_path / "summary.md").read_text().count("\n| `") == len(rows)
+
+
+def test_readme_table_is_regenerated_between_the_markers(tmp_path):
+    from dtlab.bench import README_BEGIN, README_END, update_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{README_BEGIN}\nold table\n{README_END}\n\nafter\n")
+    update_readme(readme, "| new | table |\n")
+    assert readme.read_text() == f"# x\n\n{README_BEGIN}\n| new | table |\n{README_END}\n\nafter\n"
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="no <!-- bench:begin -->"):
+        update_readme(readme, "t")
+
+
+def test_readme_needs_the_full_run():
+    from dtlab.cli import main
+
+    assert main(["bench", "--quick", "--readme"]) == 2
