@@ -47,3 +47,29 @@ def default_sigint():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+def torchrun_processes() -> list[psutil.Process]:
+    """torchrun agents and dtlab workers anywhere on the machine (orphans are not our descendants)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "dtlab.worker" in cmd or "torch.distributed.run" in cmd:
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def nothing_left(no_survivors):
+    """no_survivors, and no torchrun agent, dtlab worker or dtlab network namespace anywhere afterwards."""
+    yield
+    from dtlab import netns
+
+    deadline = time.time() + 5.0
+    while (stray := torchrun_processes()) and time.time() < deadline:
+        time.sleep(0.2)
+    for p in stray:
+        p.kill()
+    assert not stray, f"torchrun processes left behind: {[' '.join(p.cmdline())[:80] for p in stray]}"
+    if netns.available()[0]:
+        assert netns.leftovers() == [], "network namespaces left behind"

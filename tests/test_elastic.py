@@ -11,6 +11,7 @@ from dtlab.config import RunConfig
 from dtlab.failures import RankError
 from dtlab.tiers import elastic
 
+pytestmark = pytest.mark.usefixtures("nothing_left")
 BASE = dict(world_size=2, model_size=64, steps=20, threads_per_rank=1, optimizer="adam")
 
 

@@ -13,6 +13,7 @@ from dtlab.torchrun import Node, launch_torchrun
 
 from .parity import TOL as TOLERANCE
 
+pytestmark = pytest.mark.usefixtures("nothing_left")
 ROOT = os.geteuid() == 0
 BASE = dict(world_size=2, model_size=256, steps=20, threads_per_rank=1, optimizer="sgd")
 
