@@ -15,13 +15,17 @@ later run removes what a killed one left behind.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["PREFIX", "Host", "NetnsError", "SimulatedHosts", "available", "leftovers", "remove_stale"]
 
@@ -96,8 +100,25 @@ def _bridges() -> list[str]:
     return [m[1] for m in re.finditer(r"^\d+:\s+(dtb[0-9a-f]{6})[:@]", out, re.M)]
 
 
+@contextlib.contextmanager
+def _lock() -> Iterator[None]:
+    # Making hosts and sweeping stale ones are serialised across processes: a sweep that ran between
+    # another run's bridge and its first namespace would take the new bridge for a dead one.
+    with open(Path(tempfile.gettempdir()) / "dtlab-netns.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def remove_stale() -> list[str]:
     """Remove namespaces and bridges left by dtlab processes that no longer run; returns their names."""
+    with _lock():
+        return _remove_stale()
+
+
+def _remove_stale() -> list[str]:
     removed = []
     live_tokens = set()
     for name in _namespaces():
@@ -153,9 +174,10 @@ class SimulatedHosts:
         ok, reason = available()
         if not ok:
             raise NetnsError(reason)
-        remove_stale()
         try:
-            self._create()
+            with _lock():
+                _remove_stale()
+                self._create()
         except BaseException:
             self.close()
             raise

@@ -458,9 +458,10 @@ def elastic_timeline(df: pd.DataFrame) -> Figure:
     """An elastic run's events on one time axis: one lane per rank (and one for the agents).
 
     ``df``: ``dtlab.tiers.elastic.timeline``'s frame (t_s, kind, rank, attempt,
-    world_size, step). Steps are drawn as bars per rank and attempt; each attempt
-    is shaded and labelled with its world size, so a restart (the gap after a
-    fault) and a change of world size read directly off the plot.
+    world_size, step). Steps are drawn as bars per rank and phase; each phase -- an
+    attempt at one world size (a node joining changes the world without a
+    restart, so the attempt number stays) -- is shaded and labelled, so a restart
+    (the gap after a fault) and a change of world size read directly off the plot.
     """
     _require(df, ("t_s", "kind", "rank"), "elastic_timeline")
     ranks = sorted(int(r) for r in df["rank"].dropna().unique())
@@ -469,16 +470,18 @@ def elastic_timeline(df: pd.DataFrame) -> Figure:
     y = df["rank"].map(lambda r: 0 if pd.isna(r) else lane_of[int(r)])
     fig = _figure(max(2.8, 1.9 + 0.5 * len(lanes)))
     ax = fig.subplots()
-    if "attempt" in df.columns:
-        for i, (attempt, rows) in enumerate(df.dropna(subset=["attempt"]).groupby("attempt")):
+    phase = [c for c in ("attempt", "world_size") if c in df.columns]
+    if phase:
+        for i, (key, rows) in enumerate(df.dropna(subset=phase).groupby(phase)):
+            values = dict(zip(phase, key if isinstance(key, tuple) else (key,)))
             t0, t1 = float(rows["t_s"].min()), float(rows["t_s"].max())
             ax.axvspan(t0, t1, color="0.93" if i % 2 == 0 else "0.86", zorder=0)
-            world = rows["world_size"].dropna() if "world_size" in rows else pd.Series(dtype=float)
-            text = f"attempt {int(attempt)}" + (f"\nworld {int(world.max())}" if len(world) else "")
+            text = "\n".join(f"{name} {int(values[c])}" for c, name in (("attempt", "attempt"), ("world_size", "world"))
+                              if c in values)
             ax.text((t0 + t1) / 2, -1.2, text, ha="center", va="top", fontsize=7)
     span = float(df["t_s"].max() - df["t_s"].min()) or 1.0
     steps = df[df["kind"] == "step"].assign(_y=y)
-    keys = ["_y", "attempt"] if "attempt" in steps.columns else ["_y"]
+    keys = ["_y", *(c for c in phase if c in steps.columns)]
     for i, (_, rows) in enumerate(steps.groupby(keys)):
         t0, t1 = float(rows["t_s"].min()), float(rows["t_s"].max())
         ax.barh(rows["_y"].iloc[0], max(t1 - t0, span * 0.006), left=t0, height=0.35, color="tab:blue", alpha=0.6,

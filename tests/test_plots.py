@@ -230,3 +230,16 @@ def test_elastic_timeline_shades_attempts_and_marks_the_fault(tmp_path):
     assert "attempt 0\nworld 2" in texts and "attempt 1\nworld 2" in texts and "step 7" in texts
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert {"injected fault", "training steps", "resumed from snapshot"} <= set(legend)
+
+
+def test_elastic_timeline_shows_a_join_as_a_new_world_within_the_same_attempt(tmp_path):
+    rows = []
+    for world, t0, steps in ((1, 0.0, range(0, 4)), (2, 5.0, range(4, 8))):
+        for rank in range(world):
+            rows += [{"t_s": t0 + 0.1 * s, "kind": "step", "rank": rank, "attempt": 0, "world_size": world, "step": s}
+                     for s in steps]
+    fig = plots.elastic_timeline(pd.DataFrame(rows))
+    assert_png(fig, tmp_path / "join.png")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "attempt 0\nworld 1" in texts and "attempt 0\nworld 2" in texts
+    assert len(fig.axes[0].patches) == 2 + 3  # two shaded phases; step bars: rank 0 twice, rank 1 once
