@@ -1,7 +1,8 @@
 """ZeRO's memory ratio: the largest rank's optimizer state under ZeroRedundancyOptimizer / under DDP.
 
-An MLP of depth 20 (width 256; quick: 64), Adam, at world sizes 2 and 4; the optimizer state is counted from its tensors (``dtlab.memory``), so
-the ratio is a count, not a timing. Ideal: 1/world (0.5, 0.25); the largest
+An MLP of depth 20 (width 256; quick: 64), Adam, at world sizes 2 and 4; the
+optimizer state is counted from its tensors (``dtlab.memory``), so the ratio is
+a count, not a timing. Ideal: 1/world (0.5, 0.25); the largest
 shard is a little above it when the layers do not divide evenly. Also FSDP2,
 which shards parameters and gradients too.
 
