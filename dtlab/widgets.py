@@ -277,7 +277,6 @@ class Lab:
                 "test accuracy": f"{s.get('test_accuracy', float('nan')):.3f}",
                 "collectives per step": f"{sum(v['calls_per_step'] for v in s['comm'].values()):.1f}",
                 "saved in": str(folder)}
-        self.status.value = f"<b>finished</b>: {result.label} in {result.wall_s:.1f} s"
         images = [w.Image(value=_png(plots.loss_curves({result.label: result.loss_curve()})), format="png"),
                   w.Image(value=_png(plots.step_breakdown(breakdown_frame([result]))), format="png")]
         if result.config.tier == "elastic":
@@ -285,6 +284,8 @@ class Lab:
 
             images.append(w.Image(value=_png(plots.elastic_timeline(timeline(result))), format="png"))
         self.result.children = [w.HTML(_table(rows)), *images]
+        # "finished" only once the result is on screen: whoever waits for it may read the result at once
+        self.status.value = f"<b>finished</b>: {result.label} in {result.wall_s:.1f} s"
 
     def _refresh_history(self) -> None:
         runs = load_history(self.history)
