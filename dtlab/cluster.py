@@ -227,7 +227,7 @@ def collect(workdir: str | os.PathLike[str]) -> RunResult:
     if not (work / worker.CONFIG).is_file():
         raise FileNotFoundError(f"{work} holds no {worker.CONFIG}: not a dtlab cluster directory "
                                 f"(python -m dtlab cluster ... --workdir {work} writes one)")
-    cfg = RunConfig.from_dict(json.loads((work / worker.CONFIG).read_text()))
+    cfg = worker.read_config(work)
     paths = result_paths(work)
     missing = [r for r in range(cfg.world_size) if r not in paths]
     if missing:

@@ -650,6 +650,8 @@ def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = N
     The link is the loopback calibration; the cap enters only through ``capped``
     -- nothing is fitted on the multinode runs.
     """
+    from dtlab import linksweep
+
     if "link_mbit" not in runs.columns:
         raise ValueError("validate_links: the runs have no link_mbit column: make them with measure_links")
     ddp = runs[runs["role"] == "ddp"]
@@ -663,9 +665,9 @@ def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = N
         keep = (runs["role"] != "ddp") | (runs["link_mbit"] == mbit)
         n = int(ddp.loc[ddp["link_mbit"] == mbit, "world_size"].iloc[0])
         row = _validation_row(capped(link, float(mbit)), runs[keep], n, cap_mb, gamma, cores)
-        speed = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-        rows.append({**row, "label": f"n={n}, {speed} simulated hosts" + (" (oversubscribed)" if row["oversubscribed"]
-                                                                          else ""), "link_mbit": float(mbit)})
+        label = f"n={n}, {linksweep.mbit_label(mbit)} simulated hosts" + (" (oversubscribed)" if row["oversubscribed"]
+                                                                           else "")
+        rows.append({**row, "label": label, "link_mbit": float(mbit)})
     return pd.DataFrame(rows)
 
 

@@ -25,7 +25,7 @@ from dtlab import analysis, netns
 from dtlab.config import RunConfig
 from dtlab.tiers import ddp, multinode
 
-__all__ = ["DEFAULT_CAPS_MBIT", "DEFAULT_HOOKS", "link_configs", "link_sweep", "sweep_row"]
+__all__ = ["DEFAULT_CAPS_MBIT", "DEFAULT_HOOKS", "link_configs", "link_sweep", "mbit_label", "sweep_row"]
 
 DEFAULT_CAPS_MBIT = (10_000.0, 1_000.0, 200.0)
 DEFAULT_HOOKS = ("allreduce", "fp16", "powersgd")
@@ -85,7 +85,7 @@ def link_sweep(base: RunConfig, caps_mbit: Sequence[float] = DEFAULT_CAPS_MBIT,
     rows = []
     for i, cfg in enumerate(configs, 1):
         row = sweep_row(run(cfg, progress=False))
-        row["label"] = f"{_mbit_label(row['link_mbit'])} · {row['comm_hook']}"
+        row["label"] = f"{mbit_label(row['link_mbit'])} · {row['comm_hook']}"
         rows.append(row)
         if progress is not None:
             progress(f"[{i}/{len(configs)}] {row['label']}: step {row['step_ms']:.1f} ms, "
@@ -93,5 +93,6 @@ def link_sweep(base: RunConfig, caps_mbit: Sequence[float] = DEFAULT_CAPS_MBIT,
     return pd.DataFrame(rows)
 
 
-def _mbit_label(mbit: float) -> str:
+def mbit_label(mbit: float) -> str:
+    """A link speed as people write it: 10 Gbit/s, 200 Mbit/s."""
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"

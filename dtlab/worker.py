@@ -76,15 +76,21 @@ def read_events(workdir: Path) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["time"])
 
 
+def read_config(workdir: Path) -> Any:
+    """The RunConfig in WORKDIR/config.json (a cluster job, see ``dtlab.cluster``)."""
+    from dtlab.config import RunConfig
+
+    return RunConfig.from_dict(json.loads((workdir / CONFIG).read_text()))
+
+
 def _load(workdir: Path) -> tuple[Any, tuple, dict[str, Any]]:
     """The function, its arguments and the launch options that WORKDIR holds."""
     if (workdir / PAYLOAD).exists():
         return cloudpickle.loads((workdir / PAYLOAD).read_bytes())
     if (workdir / CONFIG).exists():
-        from dtlab.config import RunConfig
         from dtlab.train import train
 
-        cfg = RunConfig.from_dict(json.loads((workdir / CONFIG).read_text()))
+        cfg = read_config(workdir)
         # A config.json run is a cluster's: gloo takes the interface the host name resolves to
         # (or GLOO_SOCKET_IFNAME), never loopback.
         return train, (cfg,), {"backend": cfg.backend, "device": cfg.device, "timeout_s": cfg.timeout_s,
