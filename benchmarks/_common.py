@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import statistics
 import sys
@@ -24,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = Path("results/bench")
-WARMUP_STEPS = 5  # training steps left out of a run's steady state (step 0 builds buckets, warms caches)
+# Training steps left out of a run's steady state: more than RunResult.steady's default (1), on purpose. A
+# benchmark compares two medians within a few percent (ddp_vs_script: >= 0.98), so it waits until caches and the
+# allocator have settled; plain_ddp_script.py gets the same count (--warmup), so both sides skip alike.
+WARMUP_STEPS = 5
 
 
 # -- arguments --------------------------------------------------------------------------
@@ -105,12 +109,11 @@ def spread(values: Iterable[float]) -> str:
 def steady_step_s(result: Any, warmup_steps: int = WARMUP_STEPS) -> float:
     """Median step time of a dtlab RunResult over its steps after ``warmup_steps``.
 
-    A step's time is its slowest rank's (``RunResult.step_times``); the
-    warm-up is capped so that a short (quick) run keeps at least one step.
+    ``RunResult.median_step_s`` over ``RunResult.steady(warmup_steps)``: a
+    step's time is its slowest rank's, and a short (quick) run keeps at least
+    its last step.
     """
-    times = result.step_times()
-    skip = min(warmup_steps, max(0, len(times) - 1))
-    return float(times.iloc[skip:].median())
+    return result.median_step_s(warmup_steps)
 
 
 def steps_rows(result: Any, **labels: Any) -> list[dict[str, Any]]:
@@ -120,7 +123,11 @@ def steps_rows(result: Any, **labels: Any) -> list[dict[str, Any]]:
 
 # -- output ---------------------------------------------------------------------------------
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Write ``rows`` (dicts; the columns are the union of their keys, in first-seen order)."""
+    """Write ``rows`` (dicts; the columns are the union of their keys, in first-seen order).
+
+    A list or tuple (bucket sizes) is written as JSON, ``[4000, 4000, 2000]``:
+    ``costmodel.read_runs`` reads it back as a list of ints.
+    """
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))
@@ -128,9 +135,14 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), restval="")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
     note(f"wrote {path}")
     return path
+
+
+def _cell(value: Any) -> Any:
+    """A list or tuple as JSON text (not Python's repr); anything else as it is."""
+    return json.dumps(list(value), default=str) if isinstance(value, (list, tuple)) else value
 
 
 def note(message: str) -> None:

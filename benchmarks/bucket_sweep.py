@@ -22,8 +22,8 @@ from pathlib import Path
 
 import _common as common
 
-from dtlab import models
-from dtlab.config import RunConfig
+from dtlab.core import models
+from dtlab.core.config import RunConfig
 from dtlab.tiers import ddp
 from dtlab.train import run
 
@@ -54,7 +54,7 @@ def variant(cfg: RunConfig, layout: dict, steps_out: list):
         sizes = result.ranks[0].strategy["bucket_sizes_bytes"]
         layout[cap] = (len(sizes), sum(sizes))
         return {"bucket_cap_mb": cap, "buckets": len(sizes), "gradient_bytes": sum(sizes),
-                "bucket_sizes_bytes": " ".join(map(str, sizes)), "median_step_s": common.steady_step_s(result),
+                "bucket_sizes_bytes": list(sizes), "median_step_s": common.steady_step_s(result),
                 "wall_s": result.wall_s}
     return go
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import _common as common
 import pandas as pd
 
-from dtlab import collectives, costmodel, netns, plots
-from dtlab.config import RunConfig
+from dtlab import plots
+from dtlab.analysis import collectives, costmodel
+from dtlab.core.config import RunConfig
+from dtlab.launch import netns
 from dtlab.tiers import ddp
 
 NAME = "costmodel_error"

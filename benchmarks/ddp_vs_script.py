@@ -20,7 +20,7 @@ from pathlib import Path
 
 import _common as common
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
 from dtlab.train import run
 
 NAME = "ddp_vs_script"

@@ -2,7 +2,7 @@
 
 (a) A DDP-style all-reduce loop at world size 2 in one launch: per round, the
     ranks time the same work with the recorder off (c10d's functions not even
-    wrapped: ``instrument.uninstall()``) and on (a fresh ``CommRecorder``):
+    wrapped: ``dtlab.instrument.recorder.uninstall()``) and on (a fresh ``CommRecorder``):
     gradient buckets (25 MB in 4 buckets, issued async and waited through
     their futures, as DDP's comm hook does) and many small 4 KB all-reduces
     (where a per-call cost shows most).
@@ -23,8 +23,8 @@ from __future__ import annotations
 import _common as common
 import cloudpickle
 
-from dtlab.config import RunConfig
-from dtlab.launcher import launch
+from dtlab.core.config import RunConfig
+from dtlab.launch.local import launch
 from dtlab.train import run
 
 NAME = "instrument_overhead"
@@ -41,7 +41,7 @@ def allreduce_rank(info, sizes: dict, rounds: int, warmup_rounds: int) -> list[d
     import torch
     import torch.distributed as dist
 
-    from dtlab import instrument
+    from dtlab.instrument import recorder as instrument
 
     torch.set_num_threads(1)
     numel = int(sizes["bucket_mb"] * 1e6 / 4)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import _common as common
 import pandas as pd
 
-from dtlab import linksweep, netns, plots
-from dtlab.config import RunConfig
+from dtlab import plots
+from dtlab.analysis import linksweep
+from dtlab.core.config import RunConfig
+from dtlab.launch import netns
 
 NAME = "link_sweep"
 

@@ -30,7 +30,8 @@ import pandas as pd
 from matplotlib.ticker import NullLocator
 
 from dtlab import plots
-from dtlab.config import RunConfig
+from dtlab.analysis import pipeline as pipeline_analysis
+from dtlab.core.config import RunConfig
 from dtlab.tiers import pipeline
 from dtlab.train import run
 
@@ -39,7 +40,9 @@ STAGES = 2
 TARGET_NAIVE, TARGET_PIPELINED = 1.0, 0.9
 SWEEP = {"gpipe": (1, 2, 4, 8, 16), "1f1b": (2, 4, 8)}
 QUICK_SWEEP = {"gpipe": (1, 2, 4), "1f1b": (2, 4)}
-WARMUP_STEPS = 2  # step 0 builds the schedule (a shape exchange); step 1 still warms caches
+# More than RunResult.steady's default (1), on purpose: step 0 builds the schedule (a shape exchange) and
+# step 1 still warms caches.
+WARMUP_STEPS = 2
 
 
 def jobs(quick: bool) -> dict[str, RunConfig]:
@@ -66,9 +69,10 @@ def variant(key: str, cfg: RunConfig, steps_out: list):
                "schedule": getattr(o, "schedule", ""), "microbatches": getattr(o, "microbatches", ""),
                "median_step_s": common.steady_step_s(result, WARMUP_STEPS), "wall_s": result.wall_s}
         if cfg.tier == "pipeline":  # measured idle share of the stages over the steady steps
-            bubble = pipeline.bubble_frame(result)
-            row["idle_fraction"] = float(bubble[bubble["step"] >= WARMUP_STEPS]["idle_fraction"].median())
-            row["ideal_idle_fraction"] = pipeline.ideal_bubble(o.schedule, STAGES, o.microbatches)
+            bubble = pipeline_analysis.bubble_frame(result)
+            first = result.steady(WARMUP_STEPS)["step"].min()
+            row["idle_fraction"] = float(bubble[bubble["step"] >= first]["idle_fraction"].median())
+            row["ideal_idle_fraction"] = pipeline_analysis.ideal_bubble(o.schedule, STAGES, o.microbatches)
         return row
     return go
 

@@ -1,7 +1,7 @@
 """A plain DistributedDataParallel training script, as the PyTorch DDP tutorial writes one. Torch only.
 
 The baseline that ``ddp_vs_script.py`` holds dtlab's ddp tier against: the
-same model as ``dtlab.models.mlp`` (Flatten, Linear(64, W), ReLU, Linear(W, W),
+same model as ``dtlab.core.models.mlp`` (Flatten, Linear(64, W), ReLU, Linear(W, W),
 ReLU, Linear(W, 10)), the same synthetic 8x8 data, SGD, the same global batch
 split evenly over the ranks. The data sit in memory as tensors and each rank
 indexes its share of every batch (no DataLoader, whose per-sample collation

@@ -22,7 +22,7 @@ import os
 
 import _common as common
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
 from dtlab.train import run
 
 NAME = "scaling"

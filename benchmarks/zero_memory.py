@@ -1,7 +1,7 @@
 """ZeRO's memory ratio: the largest rank's optimizer state under ZeroRedundancyOptimizer / under DDP.
 
 An MLP of depth 20 (width 256; quick: 64), Adam, at world sizes 2 and 4; the
-optimizer state is counted from its tensors (``dtlab.memory``), so the ratio is
+optimizer state is counted from its tensors (``dtlab.core.memory``), so the ratio is
 a count, not a timing. Ideal: 1/world (0.5, 0.25); the largest
 shard is a little above it when the layers do not divide evenly. Also FSDP2,
 which shards parameters and gradients too.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import _common as common
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
 from dtlab.train import run
 
 NAME = "zero_memory"

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-from dtlab.config import RunConfig
-from dtlab.env import DistInfo, environment_report
-from dtlab.failures import CollectiveTimeout, RankError
-from dtlab.instrument import CommRecorder
-from dtlab.launcher import LaunchStopped, launch, report, shutdown
-from dtlab.results import RunResult
+from dtlab import tiers  # registers every tier: RunConfig checks jobs against the registry
+from dtlab.core.config import RunConfig
+from dtlab.core.env import DistInfo, environment_report
+from dtlab.core.failures import CollectiveTimeout, RankError
+from dtlab.core.progress import report
+from dtlab.core.results import RunResult
+from dtlab.core.version import __version__
+from dtlab.instrument.recorder import CommRecorder
+from dtlab.launch.local import LaunchStopped, launch, shutdown
 from dtlab.train import run
 
 
-def __getattr__(name: str):  # dtlab.widgets on first use: ipywidgets is a notebook extra
+def __getattr__(name: str) -> Any:  # dtlab.widgets on first use: ipywidgets is a notebook extra
     if name == "widgets":
-        import importlib
-
-        return importlib.import_module("dtlab.widgets")
+        return importlib.import_module("dtlab.app.widgets")
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")
+
 
 __all__ = [
     "CollectiveTimeout",
@@ -34,4 +37,5 @@ __all__ = [
     "report",
     "run",
     "shutdown",
+    "tiers",
 ]

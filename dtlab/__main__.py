@@ -1,5 +1,5 @@
 import sys
 
-from dtlab.cli import main
+from dtlab.app.cli import main
 
 sys.exit(main())

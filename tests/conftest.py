@@ -1,4 +1,9 @@
-"""Shared fixtures: every test that launches ranks checks that none survive."""
+"""Shared fixtures: every test that launches ranks checks that none survive.
+
+Tests that start processes (they use ``no_survivors`` or ``nothing_left``), run
+notebooks or drive a browser are marked ``slow``: ``pytest -m "not slow"`` is
+the quick inner loop, ``make test`` runs everything.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ def torchrun_processes() -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "dtlab.worker" in cmd or "torch.distributed.run" in cmd:
+        if "dtlab.launch.worker" in cmd or "torch.distributed.run" in cmd:
             found.append(p)
     return found
 
@@ -63,7 +68,7 @@ def torchrun_processes() -> list[psutil.Process]:
 def nothing_left(no_survivors):
     """no_survivors, and no torchrun agent, dtlab worker or dtlab network namespace anywhere afterwards."""
     yield
-    from dtlab import netns
+    from dtlab.launch import netns
 
     deadline = time.time() + 5.0
     while (stray := torchrun_processes()) and time.time() < deadline:
@@ -73,3 +78,12 @@ def nothing_left(no_survivors):
     assert not stray, f"torchrun processes left behind: {[' '.join(p.cmdline())[:80] for p in stray]}"
     if netns.available()[0]:
         assert netns.leftovers() == [], "network namespaces left behind"
+
+
+_SLOW_FIXTURES = {"no_survivors", "nothing_left"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from dtlab import RunConfig
-from dtlab.results import RunResult
+from dtlab.core.results import RunResult
 from dtlab.train import run
 
 TOL = 1e-5

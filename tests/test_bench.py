@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlab.bench import parse, run_all, scripts
+from dtlab.app.bench import parse, run_all, scripts
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 
@@ -28,7 +28,7 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
 
 
 def test_readme_table_is_regenerated_between_the_markers(tmp_path):
-    from dtlab.bench import README_BEGIN, README_END, update_readme
+    from dtlab.app.bench import README_BEGIN, README_END, update_readme
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{README_BEGIN}\nold table\n{README_END}\n\nafter\n")
@@ -40,6 +40,6 @@ def test_readme_table_is_regenerated_between_the_markers(tmp_path):
 
 
 def test_readme_needs_the_full_run():
-    from dtlab.cli import main
+    from dtlab.app.cli import main
 
     assert main(["bench", "--quick", "--readme"]) == 2

@@ -130,6 +130,7 @@ def run_all(page, attempts: int = 3) -> None:
     raise AssertionError(f"the notebook did not start running: first prompt {first_prompt.inner_text()!r}")
 
 
+@pytest.mark.slow
 def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
     from playwright.sync_api import sync_playwright
 

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dtlab import RunConfig, checkpoint
-from dtlab.checkpoint import CheckpointError
-from dtlab.results import RunResult
-from dtlab.tiers import base
+from dtlab import RunConfig
+from dtlab.core.results import RunResult
+from dtlab.tiers import base, checkpoint
+from dtlab.tiers.checkpoint import CheckpointError
 from dtlab.tiers.ddp import Options as DDPOptions
 from dtlab.tiers.fsdp import Options
-from dtlab.train import run
+from dtlab.train import preflight, run
 
 TOL = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -151,8 +151,9 @@ def test_ddp_checkpoint_reshards_into_fsdp(tmp_path):
 def test_resume_from_a_broken_checkpoint_fails_before_launch(tmp_path):
     model, optimizer = trained()
     path = checkpoint.save(model, optimizer, 10, tmp_path / "ck")
+    # The job is a valid description; reading the checkpoint is the preflight's work (dtlab.run calls it first).
     with pytest.raises(ValueError, match="nothing is left to train"):
-        job(tier="fsdp", world_size=2, steps=10, tier_options=Options(resume_from=str(path)))
+        preflight(job(tier="fsdp", world_size=2, steps=10, tier_options=Options(resume_from=str(path))))
     (path / "__0_0.distcp").unlink()
     with pytest.raises(ValueError, match=r"tier_options.resume_from=.*__0_0.distcp missing"):
-        job(tier="fsdp", world_size=2, tier_options=Options(resume_from=str(path)))
+        preflight(job(tier="fsdp", world_size=2, tier_options=Options(resume_from=str(path))))

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from dtlab.cli import main
-from dtlab.results import load_params
+from dtlab import tiers
+from dtlab.app import cli
+from dtlab.app.cli import main
+from dtlab.core import options
+from dtlab.core.results import RunResult, load_params
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 
@@ -50,17 +56,129 @@ def test_ddp_tier_options_and_comm_counts(tmp_path, capsys):
     assert "ddp x2" in capsys.readouterr().out
 
 
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Any attempt to start a rank fails the test: bad input must be refused before."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(cli, "run", refuse)
+    monkeypatch.setattr(cli, "compare", refuse)
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["run", "--tier", "ddp", "--world-size", "0"], "world_size"),
-    (["run", "--tier", "ddp", "--opt", "bucket_cap_mb=-1"], "bucket_cap_mb"),
-    (["run", "--tier", "ddp", "--opt", "no_such=1"], "bucket_cap_mb"),  # lists the valid options
-    (["run", "--model", "nowhere.module:factory"], "model"),
-    (["compare", "--tiers", "single,teleport"], "teleport"),
+    (["run", "--tier", "ddp", "--world-size", "0"], "--world-size: RunConfig.world_size=0 is invalid"),
+    (["run", "--tier", "ddp", "--world-size", "3"], "--batch-size: RunConfig.global_batch_size=64"),
+    (["run", "--tier", "ddp", "--opt", "bucket_cap_mb=-1"], "--opt bucket_cap_mb=-1: ddp tier_options.bucket_cap_mb"),
+    (["run", "--tier", "ddp", "--opt", "bucket_cap_mb=abc"], "--opt bucket_cap_mb=abc: expected a number (float)"),
+    (["run", "--tier", "ddp", "--opt", "accumulation_steps=1.5"], "--opt accumulation_steps=1.5: expected an integer"),
+    (["run", "--tier", "ddp", "--opt", "broadcast_buffers=maybe"], "--opt broadcast_buffers=maybe: expected a boolean"),
+    (["run", "--tier", "ddp", "--opt", "no_such=1"], "--opt no_such=1: tier 'ddp' has no option 'no_such'; "
+                                                    "it takes: bucket_cap_mb, gradient_as_bucket_view"),
+    (["run", "--tier", "ddp", "--opt", "bucket_cap_mb"], "--opt bucket_cap_mb: is not KEY=VALUE"),
+    (["run", "--opt", "x=1"], "it takes: no options"),
+    (["run", "--tier", "elastic", "--world-size", "2", "--steps", "20", "--opt", "faults=sigkill:7:1,bogus:3"],
+     "--opt faults=sigkill:7:1,bogus:3: elastic tier_options.faults entry 'bogus:3' is invalid"),
+    (["run", "--tier", "elastic", "--world-size", "2", "--steps", "20", "--opt", "faults=sigkill:70:1"],
+     "step 70 is beyond the run"),
+    (["run", "--tier", "ddp", "--opt", f"resume_from={Path('/nonexistent/dtlab-ckpt')}"],
+     "--opt resume_from=/nonexistent/dtlab-ckpt: ddp tier_options.resume_from"),  # preflight
+    (["run", "--model", "nowhere.module:factory"], "--model: RunConfig.model"),
+    (["run", "--out", "/proc/nope/run"], "--out /proc/nope/run: cannot create or write this folder"),
+    (["compare", "--tiers", "single,teleport"], "--tiers single,teleport: unknown tier 'teleport'"),
+    (["compare", "--world-sizes", "2,x"], "--world-sizes 2,x: 'x' is not an integer"),
+    (["compare", "--world-sizes", ","], "--world-sizes ',': give one or more"),
+    (["compare", "--tiers", "ddp", "--world-sizes", "3"], "--batch-size: RunConfig.global_batch_size=64"),
+    (["compare", "--out", "/proc/nope"], "--out /proc/nope: cannot create or write this folder"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
-    assert main(argv) == 2
+def test_bad_input_is_one_line_and_exit_code_2_before_any_run(argv, message, capsys, nothing_runs):
+    assert main([*argv, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_bad_flag_value_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--steps", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --steps: invalid int value: 'x'") and err.count("\n") == 1
+
+
+def test_a_good_out_folder_is_checked_without_a_trace(tmp_path):
+    folder = tmp_path / "a" / "b" / "run"
+    assert cli.check_writable(folder, "--out") == folder
+    assert not (tmp_path / "a").exists()  # the probe's folders are removed again
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--out .*file/run: cannot create"):
+        cli.check_writable(blocker / "run", "--out")
+
+
+def test_a_failing_save_keeps_the_finished_run(tmp_path, monkeypatch, capsys):
+    saved = []
+
+    class Result:
+        def save(self, out):
+            if str(out).startswith(str(tmp_path)):
+                raise PermissionError(13, "Permission denied")
+            saved.append(Path(out))
+            return Path(out)
+
+    folder, ok = cli.save_result(Result(), tmp_path / "run")
+    assert not ok and saved == [folder] and folder.is_dir()
+    err = capsys.readouterr().err
+    assert f"could not write --out {tmp_path / 'run'} (Permission denied)" in err and str(folder) in err
+    folder.rmdir()
+
+
+def test_a_run_whose_save_fails_is_saved_elsewhere(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_save = RunResult.save
+
+    def save(self, folder):
+        if Path(folder) == out:
+            raise OSError(28, "No space left on device")
+        return real_save(self, folder)
+
+    monkeypatch.setattr(RunResult, "save", save)
+    assert main(["run", "--steps", "4", "--out", str(out), "--quiet", "--threads", "1"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1 and f"could not write --out {out} (No space left on device)" in err
+    fallback = Path(err.rsplit(" saved in ", 1)[1].split(" instead")[0])
+    assert (fallback / "result.json").exists() and f"wrote {fallback}/result.json" in captured.out
+    shutil.rmtree(fallback)
+
+
+def _option_values(default):
+    """The default and another value of the same kind, to write on the command line and read back."""
+    if isinstance(default, bool):
+        return [default, not default]
+    if isinstance(default, int | float):
+        return [default, type(default)(default * 2 + 3)]
+    if isinstance(default, tuple):
+        return [default, ("sigkill:7:1", "exception:12:0"), ("one",)]
+    return [default, "other"]
+
+
+@pytest.mark.parametrize("tier", tiers.TIERS)
+def test_every_option_of_every_tier_can_be_given_on_the_command_line(tier):
+    spec = tiers.get(tier)
+    defaults = spec.options()
+    for field in dataclasses.fields(spec.options):
+        for value in _option_values(getattr(defaults, field.name)):
+            given = cli.tier_options(tier, [f"{field.name}={options.format(value)}"])
+            assert getattr(given, field.name) == value and type(getattr(given, field.name)) is type(value), field
+    for raw in ("true", "True", "1", "yes", "false", "0", "no", "NO"):  # every bool spelling
+        assert options.parse("bool", raw) is (raw.lower() in ("true", "1", "yes"))
+
+
+def test_a_tuple_option_adds_up_over_repeated_opts():
+    o = cli.tier_options("elastic", ["faults=sigkill:7:1", "faults=exception:12:0,oom:3"])
+    assert o.faults == ("sigkill:7:1", "exception:12:0", "oom:3")
+    assert cli.tier_options("elastic", ["faults="]).faults == ()
 
 
 def test_compare_reports_parity_for_each_tier(tmp_path, capsys):

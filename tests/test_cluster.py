@@ -10,11 +10,11 @@ import sys
 import pytest
 
 import dtlab
-from dtlab import cluster
-from dtlab.cli import main
-from dtlab.config import RunConfig
+from dtlab.app.cli import main
+from dtlab.core.config import RunConfig
+from dtlab.launch import cluster
+from dtlab.launch.torchrun import _kill_session, free_port, torchrun_command
 from dtlab.tiers import elastic, multinode
-from dtlab.torchrun import _kill_session, free_port, torchrun_command
 
 from .parity import TOL
 
@@ -44,19 +44,19 @@ def test_every_node_runs_the_same_torchrun_command_with_the_launch_flags_and_env
     assert _value(argv, "--rdzv-backend") == "c10d" and _value(argv, "--rdzv-endpoint") == "10.1.2.3:29555"
     assert _value(argv, "--rdzv-id") == "job7" and _value(argv, "--max-restarts") == "2"
     assert "--local-addr" not in argv  # each node is known by its own host name
-    assert argv[-3:] == ["-m", "dtlab.worker", str(tmp_path / "w")]
+    assert argv[-3:] == ["-m", "dtlab.launch.worker", str(tmp_path / "w")]
     assert plan.config.world_size == 4  # the default world size 1 is set to nnodes x nproc_per_node
     assert not (tmp_path / "w").exists()  # planning writes nothing
 
 
 def test_without_ifname_gloo_and_nccl_choose_and_the_worker_keeps_off_loopback(tmp_path):
-    from dtlab import worker
+    from dtlab.launch import worker
 
     argv = shlex.split(_plan(tmp_path).commands[0])
     assert not any(a.startswith(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")) for a in argv)
     # A config.json run is a cluster's: the worker must not pin gloo to "lo" as it does for dtlab's own launches.
     cluster.write(_plan(tmp_path))
-    assert worker._load(tmp_path / "w")[2]["gloo_ifname"] is None
+    assert worker._load(tmp_path / "w")[2].gloo_ifname is None
 
 
 def test_torchrun_command_can_leave_local_addr_out(tmp_path):
@@ -97,7 +97,7 @@ def test_write_leaves_the_job_and_a_valid_sbatch_script(tmp_path):
     argv = shlex.split(srun.split("\n")[0])
     assert argv[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run"]
     assert _value(argv, "--rdzv-endpoint") == "${MASTER_ADDR}:29555" and _value(argv, "--rdzv-id") == "${SLURM_JOB_ID}"
-    assert argv[-3:] == ["-m", "dtlab.worker", str(work)]
+    assert argv[-3:] == ["-m", "dtlab.launch.worker", str(work)]
     assert '--rdzv-endpoint "${MASTER_ADDR}:29555" --rdzv-id "${SLURM_JOB_ID}"' in script  # expanded by bash
 
 

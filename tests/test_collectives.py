@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlab import collectives
+from dtlab.analysis import collectives
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 

@@ -14,8 +14,8 @@ BAD = [
     (dict(tier="warp-drive"), "tier"),
     (dict(model="resnet9000"), "model"),
     (dict(model="no_such_package.module:factory"), "model"),
-    (dict(model="dtlab.models:no_such_factory"), "model"),
-    (dict(model="dtlab.models"), "model"),
+    (dict(model="dtlab.core.models:no_such_factory"), "model"),
+    (dict(model="dtlab.core.models"), "model"),
     (dict(dataset="imagenet"), "dataset"),
     (dict(steps=0), "steps"),
     (dict(lr=0.0), "lr"),
@@ -61,8 +61,8 @@ def test_good_config_gets_default_tier_options_and_derived_values():
 
 
 def test_import_path_model_resolves():
-    cfg = RunConfig(model="dtlab.models:mlp")
-    assert callable(cfg.model) is False and cfg.model == "dtlab.models:mlp"
+    cfg = RunConfig(model="dtlab.core.models:mlp")
+    assert callable(cfg.model) is False and cfg.model == "dtlab.core.models:mlp"
 
 
 def test_config_is_frozen():

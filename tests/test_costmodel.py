@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from dtlab import costmodel as cm
-from dtlab import costmodel_plots, plots
-from dtlab.config import RunConfig
+from dtlab import plots
+from dtlab.analysis import costmodel as cm
+from dtlab.core.config import RunConfig
+from dtlab.core.results import RankResult, RunResult
+from dtlab.plots import costmodel as costmodel_plots
 from dtlab.tiers import ddp
 
 ALPHA, BETA = 2e-4, 1.5e-9  # 200 us, ~0.67 GB/s: loopback-like
@@ -186,15 +189,15 @@ def test_timeline_frame_spans_the_predicted_step():
 
 
 # -- validation (no processes) -----------------------------------------------------------------------------
-def run_row(role, n, batch, step_s, phases=PHASES, buckets="4000 4000 2000", threads=1, rnd=0):
+def run_row(role, n, batch, step_s, phases=PHASES, buckets=(4000, 4000, 2000), threads=1, rnd=0):
     return {"round": rnd, "role": role, "world_size": n, "per_rank_batch": batch, "threads_per_rank": threads,
-            "step_s": step_s, **phases, "bucket_sizes_bytes": buckets if role != "compute" else ""}
+            "step_s": step_s, **phases, "bucket_sizes_bytes": list(buckets) if role != "compute" else []}
 
 
 def synthetic_runs(measured_n2: float) -> pd.DataFrame:
     half = {k: v / 2 for k, v in PHASES.items()}
     return pd.DataFrame([
-        run_row("compute", 1, 64, sum(PHASES.values()), buckets=""),
+        run_row("compute", 1, 64, sum(PHASES.values()), buckets=[]),
         run_row("ddp", 1, 64, 0.02),
         run_row("compute", 1, 32, sum(half.values()), phases=half),
         run_row("ddp", 2, 32, measured_n2),
@@ -223,7 +226,7 @@ def test_validation_per_bucket_cap_uses_that_caps_overhead():
     half = {k: v / 2 for k, v in PHASES.items()}
     rows = [run_row("compute", 1, 32, sum(half.values()), phases=half),
             run_row("overhead_single", 1, 8, 0.010)]
-    for cap, buckets, overhead_step in ((25.0, "10000", 0.012), (0.004, "4000 4000 2000", 0.011)):
+    for cap, buckets, overhead_step in ((25.0, [10000], 0.012), (0.004, [4000, 4000, 2000], 0.011)):
         rows += [{**run_row("ddp", 2, 32, 0.03, buckets=buckets), "bucket_cap_mb": cap},
                  {**run_row("overhead_ddp", 1, 8, overhead_step, buckets=buckets), "bucket_cap_mb": cap}]
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
@@ -233,6 +236,21 @@ def test_validation_per_bucket_cap_uses_that_caps_overhead():
     assert df.loc[25.0, "predicted_s"] == pytest.approx(one.step_s)
     assert one.hidden_comm_s == 0  # a single bucket is ready only when backward ends
     assert df.loc[25.0, "label"] == "n=2, 1 bucket" and df.loc[0.004, "buckets"] == 3
+
+
+def test_runs_read_back_from_csv_keep_typed_bucket_sizes(tmp_path):
+    runs = synthetic_runs(0.020)
+    path = tmp_path / "runs.csv"
+    runs.assign(bucket_sizes_bytes=[json.dumps(v) for v in runs["bucket_sizes_bytes"]]).to_csv(path, index=False)
+    back = cm.read_runs(path)
+    assert list(back["bucket_sizes_bytes"]) == list(runs["bucket_sizes_bytes"])
+    link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
+    assert np.allclose(cm.validate(link, back, cores=2)["predicted_s"], cm.validate(link, runs, cores=2)["predicted_s"])
+    old = tmp_path / "old.csv"  # written before the sizes were typed: space-separated, empty for compute rows
+    runs.assign(bucket_sizes_bytes=[" ".join(map(str, v)) for v in runs["bucket_sizes_bytes"]]).to_csv(old, index=False)
+    assert list(cm.read_runs(old)["bucket_sizes_bytes"]) == list(runs["bucket_sizes_bytes"])
+    with pytest.raises(ValueError, match="read_runs"):  # text that was never parsed is named, not misread
+        cm.validate(link, runs.assign(bucket_sizes_bytes="4000 4000 2000"), cores=2)
 
 
 def test_capped_link_takes_the_slower_bandwidth_and_keeps_alpha():
@@ -247,9 +265,9 @@ def test_validate_links_predicts_each_cap_from_the_loopback_link_only():
     half = {k: v / 2 for k, v in PHASES.items()}
     rows = [{**run_row("compute", 1, 32, sum(half.values()), phases=half), "link_mbit": np.nan},
             {**run_row("overhead_single", 1, 8, 0.010), "link_mbit": np.nan},
-            {**run_row("overhead_ddp", 1, 8, 0.011, buckets="10000"), "bucket_cap_mb": 25.0, "link_mbit": np.nan}]
+            {**run_row("overhead_ddp", 1, 8, 0.011, buckets=[10000]), "bucket_cap_mb": 25.0, "link_mbit": np.nan}]
     for mbit, measured in ((1000.0, 0.03), (200.0, 0.09)):
-        rows.append({**run_row("ddp", 2, 32, measured, buckets="10000"), "bucket_cap_mb": 25.0, "link_mbit": mbit})
+        rows.append({**run_row("ddp", 2, 32, measured, buckets=[10000]), "bucket_cap_mb": 25.0, "link_mbit": mbit})
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-9)
     df = cm.validate_links(link, pd.DataFrame(rows), cores=2).set_index("link_mbit")
     for mbit in (1000.0, 200.0):
@@ -269,6 +287,29 @@ def test_summary_counts_only_counted_points():
     assert not cm.summary(df.assign(counted=True))["max_ok"]
     with pytest.raises(ValueError, match="counted"):
         cm.summary(df.assign(counted=False))
+
+
+# -- steady state ------------------------------------------------------------------------------------------
+def fake_result(totals_by_rank, first_step=0):
+    ranks = [RankResult(rank=r, steps=[{"step": first_step + i, "total": t, **PHASES} for i, t in enumerate(totals)],
+                        memory={}, events=[], phases=[], params_checksum=0.0)
+             for r, totals in enumerate(totals_by_rank)]
+    return RunResult(config=None, ranks=ranks, wall_s=0.0)
+
+
+def test_steady_leaves_out_the_warm_up_steps_and_keeps_at_least_one():
+    result = fake_result([[0.9, 0.2, 0.1, 0.3, 0.5], [0.8, 0.1, 0.4, 0.1, 0.2]])
+    assert sorted(result.steady()["step"].unique()) == [1, 2, 3, 4]  # the default leaves out step 0
+    assert sorted(result.steady(3)["step"].unique()) == [3, 4]
+    assert sorted(result.steady(0)["step"].unique()) == [0, 1, 2, 3, 4]
+    assert sorted(result.steady(99)["step"].unique()) == [4]  # too short: the last step stays
+    assert len(result.steady(3)) == 4  # every rank's rows of the kept steps
+    assert result.median_step_s() == pytest.approx(0.35)  # slowest rank per step: 0.2, 0.4, 0.3, 0.5
+    assert result.median_step_s(3) == pytest.approx(0.4)
+    resumed = fake_result([[0.9, 0.2, 0.1]], first_step=7)  # a resumed run's first step warms up too
+    assert sorted(resumed.steady()["step"].unique()) == [8, 9]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        result.steady(-1)
 
 
 # -- projection ---------------------------------------------------------------------------------------------
@@ -305,7 +346,7 @@ def test_split_buckets():
 # -- one real run ---------------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("no_survivors")
 def test_end_to_end_calibrate_predict_measure_at_world_size_2():
-    from dtlab import collectives
+    from dtlab.analysis import collectives
 
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=(4096, 65536, 1 << 20, 4 << 20), repeats=5)
     link = cm.calibrate(sweep)
@@ -315,6 +356,8 @@ def test_end_to_end_calibrate_predict_measure_at_world_size_2():
                     tier_options=ddp.Options(bucket_cap_mb=0.25))  # 1.2 MB of gradients in 3 buckets
     runs = cm.measure(cfg, world_sizes=(2,), rounds=1)
     assert set(runs["role"]) == {"compute", "ddp", "overhead_single", "overhead_ddp"}
+    sizes = runs.loc[runs["role"] == "ddp", "bucket_sizes_bytes"].iloc[0]  # typed, as the ddp tier reports them
+    assert isinstance(sizes, list) and len(sizes) >= 2 and all(type(b) is int for b in sizes)
     df = cm.validate(link, runs)
     row = df.iloc[0]
     assert row["world_size"] == 2 and row["buckets"] >= 2 and row["comm_s"] > 0

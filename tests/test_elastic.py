@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import dtlab
-from dtlab.config import RunConfig
-from dtlab.failures import RankError
+from dtlab.analysis import elastic as elastic_runs
+from dtlab.core.config import RunConfig
+from dtlab.core.failures import RankError
 from dtlab.tiers import elastic
 
 pytestmark = pytest.mark.usefixtures("nothing_left")
@@ -122,7 +123,7 @@ def test_bad_elastic_input_fails_before_start(tmp_path):
 
 
 def test_timeline_frame_orders_the_events(uninterrupted):
-    df = elastic.timeline(uninterrupted)
+    df = elastic_runs.timeline(uninterrupted)
     assert df["t_s"].is_monotonic_increasing and df["t_s"].iloc[0] == 0
     assert {"kind", "rank", "attempt", "step"} <= set(df.columns)
     assert os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") is None  # set for the agents only

@@ -8,9 +8,10 @@ import pytest
 from torch import nn
 
 from dtlab import RunConfig
-from dtlab.models import build
+from dtlab.analysis.fsdp import comm_exposure
+from dtlab.core.models import build
 from dtlab.tiers import base
-from dtlab.tiers.fsdp import Options, comm_exposure, shard_units
+from dtlab.tiers.fsdp import Options, shard_units
 from dtlab.train import run
 
 pytestmark = pytest.mark.usefixtures("no_survivors")

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import dtlab
-from dtlab.launcher import _loopback_store
+from dtlab.launch import LaunchOptions, LaunchResult
+from dtlab.launch.local import _loopback_store
 from tests.conftest import leftover_processes
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
@@ -31,6 +32,32 @@ def rank_sum(info, scale):
 def test_returns_every_rank_value_in_rank_order():
     out = dtlab.launch(rank_sum, 2, args=(10,), progress=False)
     assert out == [{"rank": 0, "world": 2, "sum": 30.0}, {"rank": 1, "world": 2, "sum": 30.0}]
+
+
+def test_result_reads_as_the_list_of_values_and_carries_the_launch():
+    out = dtlab.launch(rank_sum, 2, args=(1,), progress=False)
+    assert isinstance(out, LaunchResult) and len(out) == 2 and out[1]["rank"] == 1
+    assert list(out) == out.values == [o for o in out] and repr(out) == repr(out.values)
+    assert sorted(out.logs) == [0, 1] and out.wall_s > 0 and out.events == []
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(timeout_s=0), "timeout_s=0 is invalid: must be > 0 seconds"),
+    (dict(deadline_s=-1.0), "deadline_s=-1.0 is invalid"),
+    (dict(backend="mpi"), "backend='mpi' is invalid"),
+    (dict(device="cpu", backend="nccl"), "backend='nccl' is invalid"),
+    (dict(progress="yes"), "progress='yes' is invalid"),
+    (dict(env=["A=1"]), "env=['A=1'] is invalid"),
+    (dict(stop=True), "stop=True is invalid"),
+])
+def test_bad_options_name_the_field_before_any_process(bad, message):
+    before = len(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError) as info:
+        LaunchOptions(**bad)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=message.split("=")[0]):
+        dtlab.launch(rank_sum, 2, **bad)
+    assert len(psutil.Process().children(recursive=True)) <= before
 
 
 def test_world_size_four():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dtlab import RunConfig
-from dtlab.memory import SavedActivations, optimizer_state_bytes, parameter_bytes, tensor_bytes
+from dtlab.core.memory import SavedActivations, optimizer_state_bytes, parameter_bytes, tensor_bytes
 from dtlab.train import run
 
 pytestmark = pytest.mark.usefixtures("no_survivors")

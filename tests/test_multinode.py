@@ -5,11 +5,13 @@ import os
 import pytest
 
 import dtlab
-from dtlab import netns
-from dtlab.config import RunConfig
-from dtlab.failures import RankError
+from dtlab.core.config import RunConfig
+from dtlab.core.failures import RankError
+from dtlab.launch import netns
+from dtlab.launch.torchrun import Node, launch_torchrun
 from dtlab.tiers import multinode
-from dtlab.torchrun import Node, launch_torchrun
+from dtlab.train import preflight
+from dtlab.train.runner import resolve_network
 
 from .parity import TOL as TOLERANCE
 
@@ -91,9 +93,10 @@ def test_without_root_it_says_so_and_falls_back(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     ok, reason = netns.available()
     assert not ok and "root" in reason and "loopback" in reason
-    assert multinode.resolve_network(multinode.Options()) == ("loopback", reason)
+    assert resolve_network(multinode.agents(_cfg())) == ("loopback", reason)
+    netns_job = _cfg(network="netns")  # valid as a description: whether it can run here is the preflight's call
     with pytest.raises(ValueError, match="network='netns' cannot run here"):
-        _cfg(network="netns")
+        preflight(netns_job)
 
 
 def test_bad_multinode_options_fail_before_start():
@@ -110,7 +113,7 @@ def test_bad_multinode_options_fail_before_start():
 
 def test_link_sweep_shows_compression_recovering_a_slow_link():
     _namespaces_required()
-    from dtlab import linksweep
+    from dtlab.analysis import linksweep
 
     base = RunConfig(tier="ddp", **{**BASE, "steps": 10})
     df = linksweep.link_sweep(base, caps_mbit=(200,), hooks=("allreduce", "fp16"), progress=None)
@@ -124,7 +127,7 @@ def test_link_sweep_shows_compression_recovering_a_slow_link():
 
 
 def test_link_sweep_refuses_bad_input_and_says_why_without_root(monkeypatch):
-    from dtlab import linksweep
+    from dtlab.analysis import linksweep
 
     base = RunConfig(tier="ddp", **BASE)
     with pytest.raises(ValueError, match="caps_mbit"):

@@ -22,6 +22,7 @@ def test_stored_without_outputs(path):
     assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_in_quick_mode(path, monkeypatch, tmp_path):
     monkeypatch.setenv("DTLAB_QUICK", "1")

@@ -93,7 +93,7 @@ def test_compressing_hooks_still_train(hook):
 
 
 def test_user_model_difference_is_reported():
-    cfg = job("sgd", model="dtlab.models:mlp")
+    cfg = job("sgd", model="dtlab.core.models:mlp")
     ref = run(cfg, progress=False)
     other = run(cfg.replace(tier="ddp", world_size=2), progress=False)
     assert other.max_param_diff(ref) <= TOL

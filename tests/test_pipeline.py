@@ -7,6 +7,7 @@ import functools
 import pytest
 
 from dtlab import RunConfig
+from dtlab.analysis import pipeline as pipeline_runs
 from dtlab.tiers import pipeline as pp
 from dtlab.tiers.pipeline import Options
 from dtlab.train import run
@@ -87,7 +88,7 @@ def test_p2p_transfers_per_step(schedule, microbatches, stages):
     assert set(ev.loc[ev["tag"] == pp.SETUP_TAG, "step"]) == {0}
     assert set(ev.loc[ev["tag"] == pp.GATHER_TAG, "step"]) == {steps}
     # the schedule diagram names every transfer by what it carries
-    frame = pp.schedule_frame(result, step=1, p2p=True)
+    frame = pipeline_runs.schedule_frame(result, step=1, p2p=True)
     counts = frame["phase"].value_counts().to_dict()
     half = microbatches * (stages - 1)
     assert counts == {"forward": microbatches * stages, "backward": microbatches * stages,
@@ -98,19 +99,19 @@ def test_schedule_diagram_and_bubble(tmp_path):
     from dtlab import plots
 
     result = pipelined(job(steps=4), "1f1b", 4)
-    frame = pp.schedule_frame(result)
+    frame = pipeline_runs.schedule_frame(result)
     assert list(frame["lane"].unique()) == ["stage 0", "stage 1"]
     # 1F1B: stage 1 alternates forward and backward from its first micro-batch
     last = frame[frame["lane"] == "stage 1"]
     assert list(last["phase"]) == ["forward", "backward"] * 4
     assert list(last["microbatch"]) == [0, 0, 1, 1, 2, 2, 3, 3]
-    fig = pp.schedule_figure(result, p2p=True)
+    fig = pipeline_runs.schedule_figure(result, p2p=True)
     assert [t.get_text() for t in fig.axes[0].texts].count("3") == 4
     assert plots.save(fig, tmp_path / "schedule.png").stat().st_size > 5_000
-    bubble = pp.bubble_frame(result)
+    bubble = pipeline_runs.bubble_frame(result)
     assert len(bubble) == 4 * 2 and bubble["idle_fraction"].between(0, 1).all()
-    assert pp.ideal_bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
-    assert pp.ideal_bubble("naive", 4, 8) == pytest.approx(3 / 4)
+    assert pipeline_runs.ideal_bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
+    assert pipeline_runs.ideal_bubble("naive", 4, 8) == pytest.approx(3 / 4)
     # the result's own files still work with the extra phases and the stage-shaped strategy facts
     assert (result.save(tmp_path / "run") / "trace.json").exists()
     assert result.summary()["strategy"]["stage_parameters"] < sum(t.numel() for t in result.params().values())

@@ -11,10 +11,14 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from dtlab import RankError, rl
-from dtlab.rpc_instrument import call_matrix, events_frame, launch_rpc, listening_sockets
-from dtlab.tiers.rpc import Options, staleness_frame
-from dtlab.train import run
+from dtlab import RankError
+from dtlab.analysis.rpc import call_matrix, staleness_frame
+from dtlab.app import rl
+from dtlab.core.net import listening_sockets
+from dtlab.instrument.rpc import events_frame
+from dtlab.launch.rpc import launch_rpc
+from dtlab.tiers.rpc import Options
+from dtlab.train import preflight, run
 from tests.parity import TOL, job, single
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
@@ -87,8 +91,8 @@ def test_bad_options_fail_before_any_process():
         job("sgd", tier="rpc", world_size=2, tier_options=Options(mode="hogwild"))
     with pytest.raises(ValueError, match="rpc_timeout_s"):
         job("sgd", tier="rpc", world_size=2, tier_options=Options(rpc_timeout_s=0))
-    with pytest.raises(ValueError, match="bind_address"):
-        job("sgd", tier="rpc", world_size=2, tier_options=Options(bind_address="203.0.113.77"))
+    with pytest.raises(ValueError, match="bind_address"):  # an address of no interface here: the preflight's call
+        preflight(job("sgd", tier="rpc", world_size=2, tier_options=Options(bind_address="203.0.113.77")))
     with pytest.raises(ValueError, match="world_size"):
         job("sgd", tier="rpc", world_size=9, global_batch_size=72)
     with pytest.raises(ValueError, match="names"):

@@ -1,30 +1,26 @@
-"""Tier registry: one module per tier, each a small diff of its predecessor.
+"""The tiers: one module per tier, each a small diff of its predecessor.
 
-A tier module provides ``Options`` (a frozen dataclass of its knobs),
-``validate(cfg)`` (raises ValueError before any process starts),
-``processes(cfg)`` (how many OS processes to launch) and ``Strategy``.
+A tier module holds ``Options`` (a frozen dataclass of its knobs), ``validate(cfg)``
+(pure: raises ValueError naming the field), its ``Strategy`` (the hooks the
+training loop calls) and ``SPEC``, the ``TierSpec`` that declares them. Importing
+this package registers every tier, in the order of the course.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from dtlab.core import registry
+from dtlab.core.registry import TierSpec
+from dtlab.tiers import ddp, ddp_naive, dp, elastic, fsdp, multinode, pipeline, rpc, single, zero
 
-TIERS: dict[str, str] = {
-    "single": "dtlab.tiers.single",
-    "dp": "dtlab.tiers.dp",
-    "ddp-naive": "dtlab.tiers.ddp_naive",
-    "ddp": "dtlab.tiers.ddp",
-    "zero": "dtlab.tiers.zero",
-    "rpc": "dtlab.tiers.rpc",
-    "pipeline": "dtlab.tiers.pipeline",
-    "fsdp": "dtlab.tiers.fsdp",
-    "multinode": "dtlab.tiers.multinode",
-    "elastic": "dtlab.tiers.elastic",
-}
+for _module in (single, dp, ddp_naive, ddp, zero, rpc, pipeline, fsdp, multinode, elastic):
+    registry.register(_module.SPEC)
+
+TIERS: tuple[str, ...] = registry.names()
 
 
-def get(name: str) -> ModuleType:
-    if name not in TIERS:
-        raise ValueError(f"unknown tier {name!r}: choose one of {', '.join(TIERS)}")
-    return importlib.import_module(TIERS[name])
+def get(name: str) -> TierSpec:
+    """The tier called ``name`` (ValueError listing the tiers otherwise)."""
+    return registry.get(name)
+
+
+__all__ = ["TIERS", "get"]

@@ -1,25 +1,27 @@
 """What every tier shares: a Strategy that changes nothing.
 
 The training loop calls only these methods, so it never knows which tier
-runs. A tier overrides the few it needs.
+runs. A tier overrides the few it needs. In order, per rank:
+
+    wrap -> make_optimizer -> for each step: on_step_start, (no_sync) forward/backward
+    or run_step, sync_gradients, optimizer step, on_step_end -> finish; on_error if
+    anything raised.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtlab.config import RunConfig
-from dtlab.data import Dataset
-from dtlab.env import DistInfo
-from dtlab.models import evaluate
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+from dtlab.core.config import RunConfig
+from dtlab.core.data import Dataset
+from dtlab.core.env import DistInfo
+from dtlab.core.job import OptimizerFactory
+from dtlab.core.models import evaluate
 
 
 @dataclass(frozen=True)
@@ -63,20 +65,23 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state, complete at least on rank 0. Called on every rank."""
-        return self.unwrap(model).state_dict()
+    def on_step_start(self, step: int) -> None:
+        """Before step ``step`` (0-based) reads its batch."""
 
-    def evaluate(self, model: nn.Module, data: Dataset) -> dict[str, float]:
-        """Held-out loss and accuracy, reported by rank 0. Called on every rank."""
-        if not self.info.is_main:
-            return {}
-        return evaluate(self.unwrap(model), data, self.info.device)
+    def on_step_end(self, step: int) -> None:
+        """After step ``step``'s optimizer step: ``step + 1`` steps are done."""
+
+    def on_error(self, exc: BaseException) -> None:
+        """Anything raised on this rank, before it propagates (e.g. to shrink the next attempt's batch)."""
+
+    def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The whole model's state (complete at least on rank 0) and rank 0's held-out evaluation.
+
+        Called once, on every rank: a sharded tier gathers its state here (a collective).
+        """
+        state = self.unwrap(model).state_dict()
+        return state, evaluate(self.unwrap(model), data, self.info.device) if self.info.is_main else {}
 
     def describe(self) -> dict[str, Any]:
         """Facts about what ran, for the result (e.g. real or emulated DP)."""
         return {}
-
-
-def processes(cfg: RunConfig) -> int:
-    return cfg.world_size

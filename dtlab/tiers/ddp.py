@@ -18,21 +18,23 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlab import checkpoint
-from dtlab.config import RunConfig
-from dtlab.env import resolve_backend
-from dtlab.instrument import allreduce_hook, recording_hook
-from dtlab.syncbn import convert_sync_batchnorm
-from dtlab.tiers import base
-from dtlab.tiers.base import OptimizerFactory, processes
+from dtlab.core.config import RunConfig
+from dtlab.core.env import resolve_backend
+from dtlab.core.job import OptimizerFactory
+from dtlab.core.registry import TierSpec
+from dtlab.instrument.ddp_hooks import allreduce_hook, recording_hook
+from dtlab.tiers import base, checkpoint
+from dtlab.tiers.syncbn import convert_sync_batchnorm
 
-__all__ = ["COMM_HOOKS", "Options", "Strategy", "bucket_layout", "processes", "validate"]
+__all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "bucket_layout", "preflight", "validate"]
 
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 
 
 @dataclass(frozen=True)
-class Options:
+class BucketOptions:
+    """DDP's own knobs: every DDP-based tier has them."""
+
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     accumulation_steps: int = 1  # micro-batches per step; all but the last under no_sync()
@@ -40,12 +42,17 @@ class Options:
     powersgd_rank: int = 1
     sync_batchnorm: bool = False
     broadcast_buffers: bool = True
-    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.checkpoint)
+
+
+@dataclass(frozen=True)
+class Options(BucketOptions):
+    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.tiers.checkpoint)
     checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
 
 
 def validate(cfg: RunConfig) -> None:
+    """DDP's knobs (every DDP-based tier calls this), and the checkpoint options where the tier has them."""
     o = cfg.tier_options
     name = f"{cfg.tier} tier_options"
     if not o.bucket_cap_mb > 0:
@@ -63,7 +70,12 @@ def validate(cfg: RunConfig) -> None:
                          f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
     if o.powersgd_rank < 1:
         raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
-    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
+    if isinstance(o, Options):
+        checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+
+
+def preflight(cfg: RunConfig) -> None:
+    checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
 
 
 def comm_hook(options: Options) -> tuple[Any, Any]:
@@ -87,7 +99,9 @@ class Strategy(base.Strategy):
         self.accumulation_steps = self.options.accumulation_steps
         self.ddp: DistributedDataParallel | None = None
         o = self.options
-        self.checkpoints = checkpoint.Periodic(o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
+        # Tiers built on ddp whose options have no checkpoint knobs (zero, elastic) save nothing here.
+        self.checkpoints = checkpoint.Periodic(getattr(o, "checkpoint_dir", ""), getattr(o, "checkpoint_every", 0),
+                                               getattr(o, "resume_from", ""), cfg.steps)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.options.sync_batchnorm:
@@ -113,6 +127,9 @@ class Strategy(base.Strategy):
         self.start_step = self.checkpoints.setup(model, optimizer, build.keywords)  # 0 unless resuming
         return optimizer
 
+    def on_step_end(self, step: int) -> None:
+        self.checkpoints.after_step(step)
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
@@ -120,6 +137,7 @@ class Strategy(base.Strategy):
         return model.module if isinstance(model, DistributedDataParallel) else model
 
     def describe(self) -> dict[str, Any]:
+        """The knobs and the bucket layout (``bucket_layout``: sizes as a list of ints) for RankResult.strategy."""
         if self.ddp is None:
             return {}
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
@@ -127,7 +145,18 @@ class Strategy(base.Strategy):
 
 
 def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
-    """DDP's current buckets. Its logging data keeps the first layout only; after
-    the first step DDP rebuilds buckets in gradient-ready order, so ask the reducer."""
-    sizes = [b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()]
+    """DDP's current buckets: ``num_buckets`` and ``bucket_sizes_bytes``, a list of ints in gradient-ready order.
+
+    DDP's logging data keeps the first layout only; after the first step DDP
+    rebuilds buckets in gradient-ready order, so ask the reducer. The sizes stay
+    a list of ints from here on: in RankResult.strategy, result.json (a JSON
+    array) and the cost model's run numbers.
+    """
+    sizes: list[int] = [int(b.buffer().numel() * b.buffer().element_size())
+                        for b in model.reducer._get_zeros_like_grad_buckets()]
     return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes}
+
+
+SPEC = TierSpec(name="ddp", summary="DistributedDataParallel: bucketed all-reduces overlapped with backward",
+                options=Options, validate=validate, strategy=Strategy, preflight=preflight,
+                choices={"comm_hook": COMM_HOOKS})

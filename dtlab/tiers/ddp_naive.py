@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
+from dtlab.core.registry import TierSpec
 from dtlab.tiers import base
 from dtlab.tiers.base import NoOptions as Options
-from dtlab.tiers.base import processes
 
-__all__ = ["Options", "Strategy", "processes", "validate"]
+__all__ = ["Options", "SPEC", "Strategy", "validate"]
 
 
 def validate(cfg: RunConfig) -> None:
@@ -39,3 +39,7 @@ class Strategy(base.Strategy):
             if p.grad is not None:
                 dist.all_reduce(p.grad)  # SUM over ranks ...
                 p.grad.div_(world)  # ... / world = mean over the global batch
+
+
+SPEC = TierSpec(name="ddp-naive", summary="DDP from scratch: broadcast, then one all_reduce per parameter",
+                options=Options, validate=validate, strategy=Strategy)

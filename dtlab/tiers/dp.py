@@ -25,20 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab.config import RunConfig
-from dtlab.instrument import active
+from dtlab.core.config import RunConfig
+from dtlab.core.registry import TierSpec
+from dtlab.instrument.recorder import active
 from dtlab.tiers import base
 from dtlab.tiers.base import NoOptions as Options
 
-__all__ = ["EmulatedDataParallel", "Options", "Strategy", "processes", "validate"]
+__all__ = ["EmulatedDataParallel", "Options", "SPEC", "Strategy", "validate"]
 
 
 def validate(cfg: RunConfig) -> None:
     """world_size is the number of replicas; RunConfig checks it divides the batch."""
-
-
-def processes(cfg: RunConfig) -> int:
-    return 1  # DataParallel is single-process by design
 
 
 def _use_real_dp(replicas: int) -> bool:
@@ -121,3 +118,7 @@ class Strategy(base.Strategy):
     def describe(self) -> dict[str, Any]:
         kind = "torch.nn.DataParallel" if self.real else "emulated on CPU threads"
         return {"dataparallel": kind, "replicas": self.cfg.world_size}
+
+
+SPEC = TierSpec(name="dp", summary="nn.DataParallel: one process drives a replica per device",
+                options=Options, validate=validate, strategy=Strategy, processes=lambda cfg: 1)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import tempfile
 import time
@@ -47,15 +46,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlab import checkpoint, worker
-from dtlab.config import RunConfig
-from dtlab.env import DistInfo
-from dtlab.results import RankResult, RunResult, atomic_write
-from dtlab.tiers import ddp
-from dtlab.tiers.base import OptimizerFactory
+from dtlab.core.config import RunConfig
+from dtlab.core.env import DistInfo
+from dtlab.core.events import emit
+from dtlab.core.job import OptimizerFactory
+from dtlab.core.progress import report
+from dtlab.core.registry import AgentPlan, TierSpec
+from dtlab.core.results import atomic_write
+from dtlab.tiers import checkpoint, ddp
 
-__all__ = ["FAULT_KINDS", "Fault", "Options", "SnapshotError", "Strategy", "load_snapshot", "parse_faults",
-           "parse_nnodes", "processes", "run", "timeline", "validate"]
+__all__ = ["FAULT_KINDS", "SPEC", "Fault", "Options", "SnapshotError", "Strategy", "agents", "load_snapshot",
+           "parse_faults", "parse_nnodes", "preflight", "validate"]
 
 FAULT_KINDS = ("exception", "sigkill", "oom")
 SNAPSHOT = "snapshot.pt"
@@ -69,7 +70,7 @@ class SnapshotError(ValueError):
 
 
 @dataclass(frozen=True)
-class Options(ddp.Options):
+class Options(ddp.BucketOptions):
     nnodes: str = "1"  # torchrun's --nnodes: "N" or "MIN:MAX"
     max_restarts: int = 3
     snapshot_every: int = 5
@@ -182,8 +183,13 @@ def validate(cfg: RunConfig) -> None:
                          f"nodes join once that many steps are done, so it must be in 1..{cfg.steps - 1}")
     if low == high and o.join_at_step:
         raise ValueError(f"{name}.join_at_step={o.join_at_step} needs nnodes='MIN:MAX' with MIN < MAX")
-    if o.checkpoint_dir or o.resume_from:
-        raise ValueError(f"{name}: use snapshot_dir (the elastic snapshots), not checkpoint_dir/resume_from")
+    ddp.validate(cfg)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """A given snapshot_dir must be writable and hold nothing unusable (resuming from step 0 would lose work)."""
+    o: Options = cfg.tier_options
+    name = f"{cfg.tier} tier_options"
     if o.snapshot_dir:
         _check_writable(o.snapshot_dir, name)
         try:
@@ -193,11 +199,13 @@ def validate(cfg: RunConfig) -> None:
                 checkpoint.verify(checkpoint.latest(o.snapshot_dir))
         except (SnapshotError, checkpoint.CheckpointError) as exc:
             raise ValueError(f"{name}.snapshot_dir={o.snapshot_dir!r}: {exc}") from None
-    ddp.validate(cfg)
 
 
-def processes(cfg: RunConfig) -> int:
-    return cfg.world_size
+def agents(cfg: RunConfig) -> AgentPlan:
+    o: Options = cfg.tier_options
+    low, high = parse_nnodes(o.nnodes)
+    return AgentPlan(nproc_per_node=cfg.world_size // high, nodes=low, max_nodes=high, join_at_step=o.join_at_step,
+                     max_restarts=o.max_restarts, scratch_option="snapshot_dir")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -225,26 +233,17 @@ class Strategy(ddp.Strategy):
         if batching.exists():  # an earlier attempt ran out of memory: smaller micro-batches, same global batch
             self.accumulation_steps = json.loads(batching.read_text())["accumulation_steps"]
         self.faults = parse_faults(o.faults, cfg.steps, info.world_size)
-        self.steps_done = 0
         self.saved: list[int] = []
-
-    @property
-    def step(self) -> int:
-        """The step being trained (its optimizer step not yet taken)."""
-        return self.start_step + self.steps_done
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = super().wrap(model)
-        model.register_forward_pre_hook(lambda _m, _inputs: self._maybe_fail())
-        return model
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         optimizer = build(model.parameters())
+        self.model, self.optimizer = model, optimizer
         self.start_step = self._resume(model, optimizer)
-        worker.emit("resume" if self.start_step else "begin", step=self.start_step,
+        emit("resume" if self.start_step else "begin", step=self.start_step,
                     accumulation_steps=self.accumulation_steps, per_rank_batch=self.cfg.global_batch_size
                     // self.info.world_size)
-        optimizer.register_step_post_hook(lambda opt, *_: self._after_step(model, opt))
         return optimizer
 
     # -- snapshots --------------------------------------------------------------------------
@@ -269,11 +268,11 @@ class Strategy(ddp.Strategy):
         random.setstate(_to_tuples(snap["rng"]["python"]))
         return int(snap["step"])
 
-    def _after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.steps_done += 1
-        step = self.step
+    def on_step_end(self, step: int) -> None:
+        model, optimizer = self.model, self.optimizer
+        step += 1  # steps done
         if self.info.is_main:
-            worker.emit("step", step=step)
+            emit("step", step=step)
         joining = step == self.options.join_at_step and self.info.world_size < self.cfg.world_size
         if step % self.options.snapshot_every == 0 or step == self.cfg.steps or joining:
             self._snapshot(model, optimizer, step)
@@ -282,15 +281,13 @@ class Strategy(ddp.Strategy):
 
     def _wait_for_join(self, step: int) -> None:
         """Hold here, snapshot saved, until the agent restarts us into the grown world (or give up)."""
-        from dtlab.launcher import report
-
         if self.info.is_main:
             report(step=step, total=self.cfg.steps, desc="elastic: waiting for a node to join")  # starts the node
-        worker.emit("waiting_for_join", step=step)
+        emit("waiting_for_join", step=step)
         deadline = time.time() + JOIN_WAIT_S
         while time.time() < deadline:
             time.sleep(0.1)  # the agent stops this process once the new node waits at the rendezvous
-        worker.emit("join_timeout", step=step, waited_s=JOIN_WAIT_S)
+        emit("join_timeout", step=step, waited_s=JOIN_WAIT_S)
 
     def _snapshot(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         t0 = time.time()
@@ -300,12 +297,12 @@ class Strategy(ddp.Strategy):
             self._save_file(model, optimizer, step)
         self.saved.append(step)
         if self.info.is_main:
-            worker.emit("snapshot", step=step, seconds=time.time() - t0, format=self.options.snapshot_format)
+            emit("snapshot", step=step, seconds=time.time() - t0, format=self.options.snapshot_format)
 
     def _save_file(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         import io
 
-        # The sampler is a pure function of the step (dtlab.data.ShardedBatches): its position is the step.
+        # The sampler is a pure function of the step (dtlab.core.data.ShardedBatches): its position is the step.
         snap = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                 "rng": _rng_state(), "world_size": self.info.world_size,
                 "sampler": {"seed": self.cfg.seed, "global_batch_size": self.cfg.global_batch_size,
@@ -318,14 +315,15 @@ class Strategy(ddp.Strategy):
     def _fault_marker(self, index: int) -> Path:
         return self.directory / f"fault-{index}.fired"
 
-    def _maybe_fail(self) -> None:
+    def on_step_start(self, step: int) -> None:
+        """Fire the next fault if it is due at this step on this rank."""
         for index, fault in enumerate(self.faults):
             if self._fault_marker(index).exists():
                 continue  # fired in an earlier attempt
-            if fault.step != self.step or fault.rank != self.info.rank:
+            if fault.step != step or fault.rank != self.info.rank:
                 return  # the next fault to fire is not this one's
             atomic_write(self._fault_marker(index), str(fault).encode())
-            worker.emit("fault", fault=fault.kind, step=fault.step)
+            emit("fault", fault=fault.kind, step=fault.step)
             if fault.kind == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "oom":
@@ -339,62 +337,17 @@ class Strategy(ddp.Strategy):
                 "accumulation_steps": self.accumulation_steps, "node": int(os.environ.get("GROUP_RANK", 0)),
                 "local_rank": self.info.local_rank, "global_rank": self.info.rank}
 
-
-def elastic_train(info: DistInfo, cfg: RunConfig) -> RankResult:
-    """``train`` that answers an out-of-memory error: the next attempt uses half the micro-batch."""
-    from dtlab.train import train
-
-    try:
-        return train(info, cfg)
-    except torch.OutOfMemoryError:
-        directory = Path(cfg.tier_options.snapshot_dir)
-        batching = directory / BATCHING
+    def on_error(self, exc: BaseException) -> None:
+        """An out-of-memory error: the next attempt trains half the micro-batch, twice as often."""
+        if not isinstance(exc, torch.OutOfMemoryError):
+            return
+        batching = self.directory / BATCHING
         current = json.loads(batching.read_text())["accumulation_steps"] if batching.exists() else \
-            cfg.tier_options.accumulation_steps
+            self.options.accumulation_steps
         atomic_write(batching, json.dumps({"accumulation_steps": current * 2}).encode())
-        worker.emit("oom_answer", accumulation_steps=current * 2)
-        raise
+        emit("oom_answer", accumulation_steps=current * 2)
 
 
-def run(cfg: RunConfig, *, progress: Any = True, record: bool = True, stop: Any = None) -> RunResult:
-    """Start the torchrun agent(s) with restarts allowed and collect the final attempt's ranks."""
-    from dtlab.torchrun import Node, launch_torchrun
-
-    o: Options = cfg.tier_options
-    low, high = parse_nnodes(o.nnodes)
-    own_dir = not o.snapshot_dir
-    snapshots = tempfile.mkdtemp(prefix="dtlab-snapshots-") if own_dir else o.snapshot_dir
-    cfg_run = cfg.replace(tier_options=_with(o, snapshot_dir=snapshots))
-    nodes = [Node() for _ in range(low)] + [Node(join_at_step=o.join_at_step) for _ in range(high - low)]
-    # Agents that wait for more nodes would hold the first rendezvous open for 30 s by default.
-    rdzv_conf = {"last_call_timeout": 1} if low < high else None
-    start = time.perf_counter()
-    try:
-        out = launch_torchrun(elastic_train, cfg.world_size // high, args=(cfg_run,), nodes=nodes,
-                              nnodes=o.nnodes if low < high else str(high), backend=cfg.backend, device=cfg.device,
-                              timeout_s=cfg.timeout_s, max_restarts=o.max_restarts, rdzv_conf=rdzv_conf,
-                              progress=progress, record=record, stop=stop)
-    finally:
-        if own_dir:
-            shutil.rmtree(snapshots, ignore_errors=True)
-    return RunResult(cfg, list(out), time.perf_counter() - start, out.logs, out.events)
-
-
-def _with(options: Options, **changes: Any) -> Options:
-    import dataclasses
-
-    return dataclasses.replace(options, **changes)
-
-
-def timeline(result: RunResult | list[dict[str, Any]]) -> Any:
-    """The run's events as a DataFrame: t_s (since the first), kind, rank, node, attempt, world_size, step."""
-    import pandas as pd
-
-    events = result.run_events if isinstance(result, RunResult) else result
-    df = pd.DataFrame(events)
-    if df.empty:
-        return df
-    df["t_s"] = df["time"] - df["time"].min()
-    first = ["t_s", "kind", "rank", "node", "attempt", "world_size", "step"]
-    return df[[c for c in first if c in df] + [c for c in df if c not in first and c != "time"]]
-
+SPEC = TierSpec(name="elastic", summary="DDP under torchrun's elastic agent: snapshots, restarts, faults, joins",
+                options=Options, validate=validate, strategy=Strategy, launcher="torchrun", preflight=preflight,
+                agents=agents, choices={"comm_hook": ddp.COMM_HOOKS, "snapshot_format": FORMATS})

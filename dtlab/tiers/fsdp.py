@@ -28,17 +28,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtlab import checkpoint
-from dtlab.config import RunConfig
-from dtlab.data import Dataset
-from dtlab.env import resolve_backend
-from dtlab.instrument import active
-from dtlab.memory import tensor_bytes
-from dtlab.models import evaluate
-from dtlab.tiers import base
-from dtlab.tiers.base import OptimizerFactory, processes
+from dtlab.core.compat import fsdp_default_comms
+from dtlab.core.config import RunConfig
+from dtlab.core.data import Dataset
+from dtlab.core.env import resolve_backend
+from dtlab.core.job import OptimizerFactory
+from dtlab.core.memory import tensor_bytes
+from dtlab.core.models import evaluate
+from dtlab.core.registry import TierSpec
+from dtlab.instrument.recorder import active
+from dtlab.tiers import base, checkpoint
 
-__all__ = ["MIXED_PRECISION", "Options", "Strategy", "comm_exposure", "processes", "shard_units", "validate"]
+__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "preflight", "shard_units", "validate"]
 
 MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,7 +75,11 @@ def validate(cfg: RunConfig) -> None:
     _, device = resolve_backend(cfg.backend, cfg.device)
     if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
-    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
+    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+
+
+def preflight(cfg: RunConfig) -> None:
+    checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -105,10 +110,10 @@ def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> No
     ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and tag each event
     ``fsdp:<pass>:<unit>`` (as ddp's comm hook tags its buckets).
     """
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-    except ImportError:  # older FSDP2 calls all_gather_into_tensor itself: the recorder sees it as is
+    defaults = fsdp_default_comms()
+    if defaults is None:  # older FSDP2 calls all_gather_into_tensor itself: the recorder sees it as is
         return
+    DefaultAllGather, DefaultReduceScatter = defaults  # noqa: N806 - classes
 
     class RecordedAllGather(DefaultAllGather):
         def __init__(self, unit: str) -> None:
@@ -151,7 +156,6 @@ class Strategy(base.Strategy):
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
-        self._full: dict[str, torch.Tensor] | None = None  # gathered state, until the next step
         self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
         self.gathered_after_forward = 0  # bytes of full parameters kept from forward to backward
 
@@ -202,27 +206,21 @@ class Strategy(base.Strategy):
         optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
         # > 0 after resume_from: the loop starts after the step the checkpoint was saved at
         self.start_step = self.checkpoints.setup(model, optimizer, build.keywords)
-        optimizer.register_step_post_hook(self._forget_full_state)
         return optimizer
 
-    def _forget_full_state(self, *_: Any) -> None:
-        self._full = None  # the parameters changed
+    def on_step_end(self, step: int) -> None:
+        self.checkpoints.after_step(step)
 
     # -- what the loop reads back (on every rank) --------------------------------------
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The unsharded state on every rank (a collective), so all ranks' checksums agree."""
-        if self._full is None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The unsharded state on every rank (a collective), so all ranks' checksums agree; rank 0
+        evaluates a plain copy holding the gathered parameters: no collective per batch."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            self._full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return self._full
-
-    def evaluate(self, model: nn.Module, data: Dataset) -> dict[str, float]:
-        """Rank 0 evaluates a plain copy holding the gathered parameters: no collective per batch."""
-        state = self.full_state_dict(model)  # every rank takes part in the gather
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if not self.info.is_main:
-            return {}
-        return evaluate(self.plain_copy(model, state), data, self.info.device)
+            return state, {}
+        return state, evaluate(self.plain_copy(model, state), data, self.info.device)
 
     def plain_copy(self, model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
         """An ordinary module (the unwrapped class) with the full parameters in ``state``."""
@@ -247,15 +245,6 @@ class Strategy(base.Strategy):
         return {**out, **self.checkpoints.describe()}
 
 
-def comm_exposure(result: Any) -> Any:
-    """Per (rank, step, op): seconds in the collective and how much of it the training thread waited.
-
-    A synchronous collective blocks the thread for its whole duration; an async one only
-    for its ``wait_s``. ``hidden_s`` is the rest: time it ran while the thread computed.
-    """
-    df = result.events_frame()
-    df = df[df["step"] >= 0].copy()
-    df["blocked_s"] = df["duration_s"].where(~df["async"].astype(bool), df["wait_s"])
-    df["hidden_s"] = (df["duration_s"] - df["blocked_s"]).clip(lower=0)
-    return df.groupby(["rank", "step", "op"])[["duration_s", "blocked_s", "hidden_s"]].sum().reset_index()
-
+SPEC = TierSpec(name="fsdp", summary="FSDP2 (fully_shard): parameters, gradients and optimizer state sharded",
+                options=Options, validate=validate, strategy=Strategy, preflight=preflight,
+                choices={"mixed_precision": tuple(MIXED_PRECISION)})

@@ -6,7 +6,7 @@ rendezvous); together they give every rank its global RANK, its LOCAL_RANK
 on its node and its node's GROUP_RANK.
 
 ``network="netns"`` (as root) gives each node its own network namespace and
-address, joined by links capped at ``link_mbit`` (see ``dtlab.netns``), so
+address, joined by links capped at ``link_mbit`` (see ``dtlab.launch.netns``), so
 gradients cross a real (simulated) network; ``"loopback"`` runs the agents
 side by side on 127.0.0.1; ``"auto"`` takes namespaces where it can and says
 in one line why not where it cannot.
@@ -14,18 +14,15 @@ in one line why not where it cannot.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from dtlab import netns
-from dtlab.config import RunConfig
-from dtlab.results import RunResult
+from dtlab.core.config import RunConfig
+from dtlab.core.registry import AgentPlan, TierSpec
 from dtlab.tiers import ddp
 
-__all__ = ["NETWORKS", "Options", "Strategy", "processes", "resolve_network", "run", "validate"]
+__all__ = ["NETWORKS", "Options", "SPEC", "Strategy", "agents", "validate"]
 
 NETWORKS = ("auto", "netns", "loopback")
 
@@ -52,19 +49,7 @@ def validate(cfg: RunConfig) -> None:
     if o.link_mbit and o.network == "loopback":
         raise ValueError(f"{name}.link_mbit={o.link_mbit:g} needs network='netns' (or 'auto' as root): "
                          f"loopback nodes share one uncapped interface")
-    if o.network == "netns":
-        ok, reason = netns.available()
-        if not ok:
-            raise ValueError(f"{name}.network='netns' cannot run here: {reason.split(':')[0]}")
     ddp.validate(cfg)
-
-
-def resolve_network(options: Options) -> tuple[str, str]:
-    """("netns" | "loopback", why loopback where namespaces were wanted but are not possible)."""
-    if options.network != "auto":
-        return options.network, ""
-    ok, reason = netns.available()
-    return ("netns", "") if ok else ("loopback", reason)
 
 
 class Strategy(ddp.Strategy):
@@ -75,31 +60,12 @@ class Strategy(ddp.Strategy):
         return {**super().describe(), **where}
 
 
-def processes(cfg: RunConfig) -> int:
-    return cfg.world_size
-
-
-def run(cfg: RunConfig, *, progress: Any = True, record: bool = True, stop: Any = None) -> RunResult:
-    """Start ``nnodes`` torchrun agents (in namespaces or on loopback) and collect every rank's result."""
-    from dtlab.torchrun import Node, launch_torchrun
-    from dtlab.train import train
-
+def agents(cfg: RunConfig) -> AgentPlan:
     o: Options = cfg.tier_options
-    network, reason = resolve_network(o)
-    if reason:
-        print(reason)
-    start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if network == "netns":
-            hosts = stack.enter_context(netns.SimulatedHosts(o.nnodes, o.link_mbit or None))
-            nodes = [Node(h.addr, h.ifname, h.netns) for h in hosts]
-        else:
-            nodes = [Node() for _ in range(o.nnodes)]
-        out = launch_torchrun(train, cfg.world_size // o.nnodes, args=(cfg,), nodes=nodes, backend=cfg.backend,
-                              device=cfg.device, timeout_s=cfg.timeout_s, progress=progress, record=record,
-                              stop=stop)
-    result = RunResult(cfg, list(out), time.perf_counter() - start, out.logs, out.events)
-    for rank in result.ranks:
-        rank.strategy["network"] = network
-        rank.strategy["link_mbit"] = o.link_mbit if network == "netns" else 0.0
-    return result
+    return AgentPlan(nproc_per_node=cfg.world_size // o.nnodes, nodes=o.nnodes, network=o.network,
+                     link_mbit=o.link_mbit)
+
+
+SPEC = TierSpec(name="multinode", summary="DDP on several torchrun agents (nodes), on loopback or simulated hosts",
+                options=Options, validate=validate, strategy=Strategy, launcher="torchrun", preflight=ddp.preflight,
+                agents=agents, choices={"comm_hook": ddp.COMM_HOOKS, "network": NETWORKS})

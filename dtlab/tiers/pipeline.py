@@ -20,24 +20,24 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from dtlab import models
-from dtlab.config import RunConfig
-from dtlab.data import Dataset
-from dtlab.instrument import active
+from dtlab.core import models
+from dtlab.core.compat import wrap_pipeline_stage_init
+from dtlab.core.config import RunConfig
+from dtlab.core.data import Dataset
+from dtlab.core.registry import TierSpec
+from dtlab.instrument.recorder import active
 from dtlab.tiers import base
-from dtlab.tiers.base import processes
 
-__all__ = ["GATHER_TAG", "SCHEDULES", "SETUP_TAG", "Options", "Strategy", "bubble_frame", "ideal_bubble", "processes",
-           "schedule_figure", "schedule_frame", "split_model", "validate"]
+__all__ = ["GATHER_TAG", "Options", "SCHEDULES", "SETUP_TAG", "SPEC", "Strategy", "split_model", "validate"]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 MODELS = ("mlp", "charformer")  # built-ins whose layer structure the split knows
@@ -139,6 +139,15 @@ def _phase(name: str) -> contextlib.AbstractContextManager[Any]:
     return rec.phase(name) if rec is not None else contextlib.nullcontext()
 
 
+def _tagging(tag: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
+        def tagged_init(*args: Any, **kwargs: Any) -> Any:
+            with _tagged(tag):
+                return init(*args, **kwargs)
+        return tagged_init
+    return wrap
+
+
 def _tagged(tag: str) -> contextlib.AbstractContextManager[Any]:
     rec = active()
     return rec.tagged(tag) if rec is not None else contextlib.nullcontext()
@@ -159,7 +168,6 @@ class Strategy(base.Strategy):
         self.first, self.last = self.stage_index == 0, self.stage_index == self.num_stages - 1
         self.full: nn.Module | None = None  # rank 0 keeps the whole model, to gather into and evaluate
         self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # per stage: its state's entries
-        self.steps_run, self._gathered_at = 0, -1
 
     def wrap(self, model: nn.Module) -> nn.Module:
         stages = split_model(model, self.num_stages, self.cfg.model_depth)
@@ -172,12 +180,8 @@ class Strategy(base.Strategy):
         # Each micro-batch's loss is a mean, so scale_grads divides the summed gradients by M.
         self.schedule = schedule_cls(self.pp_stage, n_microbatches=1 if o.schedule == "naive" else o.microbatches,
                                      loss_fn=models.loss, scale_grads=True)
-        init = getattr(self.schedule, "_initialize_stage", None)  # private: tagging is a nicety, not needed
-        if init is not None:
-            def tagged_init(*args: Any, **kwargs: Any) -> Any:
-                with _tagged(SETUP_TAG):  # the first step's shape exchange, apart from the transfers
-                    return init(*args, **kwargs)
-            self.schedule._initialize_stage = tagged_init
+        # The first step's shape exchange, tagged apart from the transfers (where torch lets us).
+        wrap_pipeline_stage_init(self.schedule, _tagging(SETUP_TAG))
         return self.stage
 
     def _schedule_step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -197,16 +201,16 @@ class Strategy(base.Strategy):
             self.pp_stage.scale_grads(m)  # each one-micro-batch schedule divided by 1
         else:
             losses = self._schedule_step(x, y)
-        self.steps_run += 1
         if not self.last:
             return torch.tensor(float("nan"))
         return torch.stack([loss.detach() for loss in losses]).mean()  # mean of equal-sized means
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        state = self._gather_state()
+        return state, models.evaluate(self.full, data, self.info.device) if self.info.is_main else {}
+
+    def _gather_state(self) -> dict[str, torch.Tensor]:
         """Rank 0 receives every other stage's state, flattened into one message per stage."""
-        if self._gathered_at == self.steps_run:  # evaluate() right after the loop's call: nothing changed
-            return (self.full if self.full is not None else self.stage).state_dict()
-        self._gathered_at = self.steps_run
         with _tagged(GATHER_TAG), torch.no_grad():
             if not self.info.is_main:
                 mine = self.stage.state_dict()
@@ -222,12 +226,6 @@ class Strategy(base.Strategy):
                     full[key].copy_(part.view(shape))
         return self.full.state_dict()
 
-    def evaluate(self, model: nn.Module, data: Dataset) -> dict[str, float]:
-        self.full_state_dict(model)  # a no-op right after the loop's own call
-        if not self.info.is_main:
-            return {}
-        return models.evaluate(self.full, data, self.info.device)
-
     def describe(self) -> dict[str, Any]:
         o = self.options
         return {"schedule": o.schedule, "microbatches": o.microbatches, "stages": self.num_stages,
@@ -239,84 +237,5 @@ def _common_dtype(entries: list[tuple[str, torch.Size, torch.dtype]]) -> torch.d
     return functools.reduce(torch.promote_types, [d for _, _, d in entries])
 
 
-# -- reading a run ----------------------------------------------------------------------
-_COMPUTE = r"^pp_(forward|backward):(\d+)$"
-P2P_OPS = ("isend", "irecv", "send", "recv")
-
-
-def ideal_bubble(schedule: str, stages: int, microbatches: int) -> float:
-    """The idle share of each stage with equal stage times and free communication:
-    (S-1)/(M+S-1) for GPipe and 1F1B, (S-1)/S when micro-batches go one at a time."""
-    return (stages - 1) / (stages if schedule == "naive" else microbatches + stages - 1)
-
-
-def _compute_rows(result: Any) -> pd.DataFrame:
-    ph = result.phases_frame()
-    parts = ph["phase"].str.extract(_COMPUTE)
-    ph = ph[parts[0].notna()].assign(phase=parts[0], microbatch=parts[1].astype(float).astype("Int64"))
-    return ph.sort_values(["rank", "start"]).reset_index(drop=True)
-
-
-def schedule_frame(result: Any, step: int | None = None, p2p: bool = False) -> pd.DataFrame:
-    """One step of a pipeline run as the lanes frame of ``plots.gantt(df, lane="lane", color_by="phase")``.
-
-    One lane per stage, one bar per micro-batch's forward or backward (columns rank,
-    lane, phase, microbatch, start, end). With ``p2p``, each stage gets a second lane
-    of its recorded transfers, named by what they carry ("send act", "recv grad", ...):
-    a send is matched to the compute just before it, a receive to the one it feeds.
-    ``step`` defaults to the middle step (step 0 also pays set-up).
-    """
-    step = result.config.steps // 2 if step is None else step
-    compute = _compute_rows(result)
-    compute = compute[compute["step"] == step]
-    if compute.empty:
-        raise ValueError(f"schedule_frame: no pipeline phases recorded for step {step} (was the run recorded?)")
-    compute = compute.assign(lane=[f"stage {r}" for r in compute["rank"]], order=compute["rank"] * 2)
-    frames = [compute]
-    if p2p:
-        ev = result.events_frame()
-        ev = ev[(ev["step"] == step) & ev["op"].isin(P2P_OPS) & ~ev["tag"].isin([SETUP_TAG, GATHER_TAG])]
-        rows = []
-        for e in ev.itertuples():
-            mine = compute[compute["rank"] == e.rank]
-            sending = e.op in ("isend", "send")
-            match = mine[mine["start"] <= e.start].tail(1) if sending else mine[mine["start"] >= e.start].head(1)
-            if match.empty:
-                continue
-            what = "act" if match["phase"].iloc[0] == "forward" else "grad"  # short: the legend is one line
-            rows.append({"rank": e.rank, "lane": f"stage {e.rank} p2p", "order": e.rank * 2 + 1,
-                         "phase": f"{'send' if sending else 'recv'} {what}", "microbatch": match["microbatch"].iloc[0],
-                         "start": e.start, "end": e.end, "step": step})
-        frames.append(pd.DataFrame(rows))
-    out = pd.concat(frames, ignore_index=True).sort_values(["order", "start"], kind="stable")
-    return out.drop(columns="order").reset_index(drop=True)
-
-
-def schedule_figure(result: Any, step: int | None = None, p2p: bool = False, title: str | None = None) -> Any:
-    """``plots.gantt`` of ``schedule_frame``, each compute bar labelled with its micro-batch."""
-    from dtlab import plots
-
-    step = result.config.steps // 2 if step is None else step
-    df = schedule_frame(result, step, p2p)
-    o = result.config.tier_options
-    title = title or (f"{o.schedule}: {result.config.world_size} stages, {o.microbatches} micro-batch"
-                      f"{'es' if o.microbatches > 1 else ''} (step {step})")
-    fig = plots.gantt(df, lane="lane", color_by="phase", title=title)
-    ax, t0 = fig.axes[0], float(df["start"].min())
-    lanes = list(pd.unique(df["lane"]))
-    for row in df[df["phase"].isin(["forward", "backward"])].itertuples():
-        ax.text(((row.start + row.end) / 2 - t0) * 1e3, lanes.index(row.lane), str(row.microbatch),
-                ha="center", va="center", fontsize=7, color="white")
-    return fig
-
-
-def bubble_frame(result: Any) -> pd.DataFrame:
-    """Per step and stage: busy seconds (its forwards and backwards), the step's pipeline
-    span (first stage's first start to the last end on any stage) and the idle fraction."""
-    compute = _compute_rows(result)
-    busy = (compute["end"] - compute["start"]).groupby([compute["step"], compute["rank"]]).sum()
-    window = compute.groupby("step").agg(first=("start", "min"), last=("end", "max"))
-    out = busy.rename("busy_s").reset_index().merge(window, on="step")
-    out["span_s"] = out.pop("last") - out.pop("first")
-    out["idle_fraction"] = 1 - out["busy_s"] / out["span_s"]
-    return out
+SPEC = TierSpec(name="pipeline", summary="the model split into stages; naive, GPipe or 1F1B micro-batch schedules",
+                options=Options, validate=validate, strategy=Strategy, choices={"schedule": SCHEDULES})

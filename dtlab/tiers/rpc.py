@@ -44,16 +44,18 @@ from typing import Any
 import torch
 from torch.distributed import rpc
 
-from dtlab import data as datasets
-from dtlab import models
-from dtlab.config import RunConfig
-from dtlab.memory import optimizer_state_bytes, parameter_bytes, peak_process_bytes
-from dtlab.results import RankResult, RunResult, params_to_bytes, provenance
-from dtlab.rpc_instrument import LOOPBACK, RpcWorker, interface_for, launch_rpc, listening_sockets
-from dtlab.tiers import base
+from dtlab.core import data as datasets
+from dtlab.core import models
+from dtlab.core.config import RunConfig
+from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.memory import optimizer_state_bytes, parameter_bytes, peak_process_bytes
+from dtlab.core.net import LOOPBACK, interface_for, listening_sockets
+from dtlab.core.progress import report
+from dtlab.core.registry import TierSpec
+from dtlab.core.results import RankResult, params_to_bytes, provenance
+from dtlab.instrument.rpc import RpcWorker
 
-__all__ = ["MODES", "Options", "ParameterServer", "ServerOptimizer", "Strategy", "processes", "run",
-           "staleness_frame", "validate"]
+__all__ = ["MODES", "SPEC", "Options", "ParameterServer", "ServerOptimizer", "preflight", "validate"]
 
 MODES = ("sync", "async")
 MAX_TRAINERS = 8  # a waiting trainer holds one of the server's 16 RPC threads
@@ -76,10 +78,6 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"{name}.mode={o.mode!r} is invalid: choose one of {', '.join(MODES)}")
     if isinstance(o.rpc_timeout_s, bool) or not isinstance(o.rpc_timeout_s, (int, float)) or not o.rpc_timeout_s > 0:
         raise ValueError(f"{name}.rpc_timeout_s={o.rpc_timeout_s!r} is invalid: must be > 0 seconds")
-    try:
-        interface_for(o.bind_address)
-    except ValueError as exc:
-        raise ValueError(f"{name}.bind_address={o.bind_address!r} is invalid: {exc}") from None
     if cfg.world_size > MAX_TRAINERS:
         raise ValueError(f"RunConfig.world_size={cfg.world_size} is invalid for tier 'rpc': it is the number of "
                          f"trainers, at most {MAX_TRAINERS}")
@@ -88,14 +86,13 @@ def validate(cfg: RunConfig) -> None:
                          "and backend 'gloo' or 'auto'")
 
 
-def processes(cfg: RunConfig) -> int:
-    return cfg.world_size + 1  # the server and T trainers
-
-
-class Strategy(base.Strategy):
-    def __init__(self, cfg: RunConfig, info: Any) -> None:
-        raise RuntimeError("tier 'rpc' runs a parameter server and trainers, not identical ranks: "
-                           "start it with dtlab.run(cfg), not the SPMD training loop")
+def preflight(cfg: RunConfig) -> None:
+    """TensorPipe binds by interface: ``bind_address`` must belong to one of this machine's."""
+    o: Options = cfg.tier_options
+    try:
+        interface_for(o.bind_address)
+    except ValueError as exc:
+        raise ValueError(f"{cfg.tier} tier_options.bind_address={o.bind_address!r} is invalid: {exc}") from None
 
 
 # -- the server ------------------------------------------------------------------
@@ -107,7 +104,6 @@ class ParameterServer:
     """The model, its one optimizer and the parameter version, in process ``ps``."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, worker: RpcWorker) -> None:
-        from dtlab.train import optimizer_factory
 
         self.cfg, self.model, self.recorder = cfg, model, worker.recorder
         self.trainers, self.sync = cfg.world_size, cfg.tier_options.mode == "sync"
@@ -173,7 +169,6 @@ class ParameterServer:
         self._report()
 
     def _report(self) -> None:
-        from dtlab.launcher import report
 
         now = time.perf_counter()
         total = self.cfg.steps * (1 if self.sync else self.trainers)
@@ -228,8 +223,6 @@ def _trainer_done(server: Any, trainer: int) -> None:
 # -- the processes -----------------------------------------------------------------
 def _serve(worker: RpcWorker, cfg: RunConfig) -> RankResult:
     global _server
-    from dtlab.models import evaluate
-    from dtlab.train import build_job
 
     model, data = build_job(cfg, torch.device("cpu"))
     _server = ParameterServer(cfg, model, worker)
@@ -241,7 +234,7 @@ def _serve(worker: RpcWorker, cfg: RunConfig) -> RankResult:
     return RankResult(
         rank=0, steps=[], memory=memory, events=worker.recorder.rows(), phases=worker.recorder.phase_rows(),
         params_checksum=float(sum(t.double().sum() for t in state.values() if t.is_floating_point())),
-        params=params_to_bytes(state), evaluation=evaluate(model, data, torch.device("cpu")),
+        params=params_to_bytes(state), evaluation=models.evaluate(model, data, torch.device("cpu")),
         strategy={"mode": cfg.tier_options.mode, "trainers": cfg.world_size, "updates": server.version,
                   "staleness": server.staleness, "listening": listening_sockets(), "workers": list(worker.names)},
         provenance=provenance("tensorpipe", torch.get_num_threads()),
@@ -294,20 +287,12 @@ def _process(worker: RpcWorker, cfg: RunConfig) -> RankResult:
     return _serve(worker, cfg) if worker.rank == 0 else _train(worker, cfg)
 
 
-def run(cfg: RunConfig, *, progress: Any = True, record: bool = True, stop: Any = None) -> RunResult:
-    """Run the parameter server and ``cfg.world_size`` trainers; called by ``dtlab.run``."""
-    o: Options = cfg.tier_options
-    names = ["ps"] + [f"trainer{r}" for r in range(1, cfg.world_size + 1)]
-    start = time.perf_counter()
-    out = launch_rpc(_process, names, args=(cfg,), rpc_timeout_s=o.rpc_timeout_s, bind_address=o.bind_address,
-                     timeout_s=cfg.timeout_s, progress=progress, record=record, threads=cfg.threads_per_rank,
-                     stop=stop)
-    return RunResult(cfg, list(out), time.perf_counter() - start, out.logs)
+def _names(cfg: RunConfig) -> list[str]:
+    return ["ps"] + [f"trainer{r}" for r in range(1, cfg.world_size + 1)]
 
 
-def staleness_frame(result: RunResult) -> Any:
-    """One row per applied gradient: trainer, step, read_version, applied_version, staleness."""
-    import pandas as pd
-
-    return pd.DataFrame(result.ranks[0].strategy["staleness"],
-                        columns=["trainer", "step", "read_version", "applied_version", "staleness"])
+SPEC = TierSpec(
+    name="rpc", summary="a parameter server and trainers over torch.distributed.rpc (TensorPipe)",
+    options=Options, validate=validate, processes=lambda cfg: cfg.world_size + 1,  # the server and T trainers
+    launcher="rpc", preflight=preflight, rpc_main=_process, rpc_names=_names, choices={"mode": MODES},
+)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
+from dtlab.core.registry import TierSpec
 from dtlab.tiers.base import NoOptions as Options
-from dtlab.tiers.base import Strategy, processes
+from dtlab.tiers.base import Strategy
 
-__all__ = ["Options", "Strategy", "processes", "validate"]
+__all__ = ["Options", "SPEC", "Strategy", "validate"]
 
 
 def validate(cfg: RunConfig) -> None:
     if cfg.world_size != 1:
         raise ValueError(f"RunConfig.world_size={cfg.world_size} is invalid for tier 'single': it runs one rank (1)")
+
+
+SPEC = TierSpec(name="single", summary="one device, no data parallelism: the baseline every tier must match",
+                options=Options, validate=validate, strategy=Strategy)

@@ -13,29 +13,27 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dtlab.config import RunConfig
+from dtlab.core.config import RunConfig
+from dtlab.core.job import OptimizerFactory
+from dtlab.core.registry import TierSpec
 from dtlab.tiers import ddp
-from dtlab.tiers.base import OptimizerFactory
-from dtlab.tiers.ddp import processes
 
-__all__ = ["Options", "Strategy", "processes", "validate"]
+__all__ = ["Options", "SPEC", "Strategy", "validate"]
 
 SHARDABLE = {"sgd", "adam"}
 
 
 @dataclass(frozen=True)
-class Options(ddp.Options):
+class Options(ddp.BucketOptions):
     # Pack each rank's parameters into one buffer, so the post-step broadcast is one
     # collective per rank instead of one per parameter tensor.
     parameters_as_bucket_view: bool = False
 
 
 def validate(cfg: RunConfig) -> None:
+    # No checkpoint knobs: DCP cannot save a ZeroRedundancyOptimizer (get_state_dict needs its state
+    # consolidated on one rank); checkpoint with the ddp or fsdp tier.
     ddp.validate(cfg)
-    if cfg.tier_options.checkpoint_dir or cfg.tier_options.resume_from:
-        raise ValueError(f"{cfg.tier} tier_options.checkpoint_dir/resume_from: DCP cannot save a "
-                         f"ZeroRedundancyOptimizer (get_state_dict needs its state consolidated on one rank); "
-                         f"checkpoint with the ddp or fsdp tier")
     if cfg.optimizer not in SHARDABLE:
         raise ValueError(f"RunConfig.optimizer={cfg.optimizer!r} cannot be sharded by the zero tier: "
                          f"use one of {', '.join(sorted(SHARDABLE))}")
@@ -47,3 +45,7 @@ class Strategy(ddp.Strategy):
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=build.func,
                                        parameters_as_bucket_view=self.options.parameters_as_bucket_view,
                                        **build.keywords)
+
+
+SPEC = TierSpec(name="zero", summary="DDP with ZeroRedundancyOptimizer: optimizer state sharded over the ranks",
+                options=Options, validate=validate, strategy=Strategy, choices={"comm_hook": ddp.COMM_HOOKS})

@@ -1,0 +1,75 @@
+"""Run several tiers on one job and compare them with ``single``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dtlab import plots, tiers
+from dtlab.analysis.frames import breakdown_frame, memory_frame
+from dtlab.core.config import RunConfig
+from dtlab.core.results import RunResult
+from dtlab.train import run
+
+
+def compare(base: RunConfig, tier_names: list[str], world_sizes: list[int], *, out_dir: Path | None = None,
+            progress: bool = True, results: list[RunResult] | None = None) -> Any:
+    """One row per (tier, world size); ``single`` runs once, at world size 1, as the baseline.
+
+    Every configuration is validated before the first run starts, so a bad
+    tier or world size fails at once rather than after minutes of training.
+    Pass a list as ``results`` to get the RunResults too. With ``out_dir`` the
+    table, each run's files and the figures (``figures``) are written there.
+    """
+    import pandas as pd
+
+    for name in tier_names:
+        tiers.get(name)
+    jobs = [base.replace(tier="single", world_size=1)]
+    for name in tier_names:
+        if name != "single":
+            jobs += [base.replace(tier=name, world_size=w) for w in world_sizes]
+    baseline: RunResult | None = None
+    rows = []
+    done: list[RunResult] = [] if results is None else results
+    for cfg in jobs:
+        result = run(cfg, progress=progress)
+        done.append(result)
+        baseline = baseline or result
+        s = result.summary()
+        comm = s["comm"]
+        rows.append({
+            "tier": cfg.tier, "world_size": cfg.world_size, "median_step_ms": s["median_step_s"] * 1e3,
+            "samples_per_s": s["samples_per_s"], "speedup": baseline.median_step_s() / s["median_step_s"],
+            "final_loss": s["final_loss"], "test_accuracy": s.get("test_accuracy"),
+            "max_param_diff_vs_single": result.max_param_diff(baseline),
+            "collectives_per_step": sum(v["calls_per_step"] for v in comm.values()),
+            "comm_bytes_rank0": sum(v["bytes"] for v in comm.values()),
+            "optimizer_state_bytes_max": s["memory_max_over_ranks"].get("optimizer_state", 0),
+        })
+        if out_dir is not None:
+            result.save(out_dir / f"{cfg.tier}-w{cfg.world_size}")
+    table = pd.DataFrame(rows)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out_dir / "compare.csv", index=False)
+        for name, fig in figures(table, done).items():
+            plots.save(fig, out_dir / f"{name}.png")
+    return table
+
+
+def figures(table: Any, results: list[RunResult]) -> dict[str, Any]:
+    """Speedup, step-time breakdown, memory and loss curves of a comparison."""
+    return {
+        "speedup": plots.speedup(table),
+        "breakdown": plots.step_breakdown(breakdown_frame(results)),
+        "memory": plots.memory_breakdown(memory_frame(results, ranks=2)),
+        "loss": plots.loss_curves({r.label: r.loss_curve() for r in results}),
+    }
+
+
+def format_table(table: Any) -> str:
+    fmt = {"median_step_ms": "{:.2f}".format, "samples_per_s": "{:.0f}".format, "speedup": "{:.2f}".format,
+           "final_loss": "{:.4f}".format, "test_accuracy": "{:.3f}".format,
+           "max_param_diff_vs_single": "{:.1e}".format, "collectives_per_step": "{:.1f}".format}
+    return table.to_string(index=False, formatters=fmt)

@@ -1,0 +1,115 @@
+"""Communication cost model: alpha-beta links, a DDP step predictor and what-if projections.
+
+A link is described by two numbers, fitted on a message-size sweep of the
+instrumented collectives (``dtlab.analysis.collectives.sweep``): a latency ``alpha``
+(seconds per message step) and an inverse bandwidth ``beta`` (seconds per
+byte). A collective of ``S`` bytes on ``n`` ranks then costs
+``a(n) * alpha + b(n) * S * beta``, where ``a`` and ``b`` depend on the
+algorithm. ``S`` follows the nccl-tests convention, as the sweep does:
+all_gather counts the gathered output, reduce_scatter the full input.
+
+Which algorithm runs, by backend (``ALGORITHMS``):
+
+``"ring"`` -- the textbook ring algorithms (NCCL's ring, large messages):
+
+* all_reduce: reduce-scatter then all-gather, ``2(n-1) alpha + 2(n-1)/n S beta``
+* all_gather, reduce_scatter: ``(n-1) alpha + (n-1)/n S beta``
+* broadcast: a pipelined chain, ``(n-1) alpha + S beta``
+* send_recv (every rank sends S to its neighbour at once): ``alpha + S beta``
+
+``"gloo"`` -- what torch 2.13's ProcessGroupGloo runs on CPU tensors, read
+from its sources (``ProcessGroupGlooDetail.hpp``, ``ProcessGroupGloo.cpp``)
+and gloo's (``gloo/allreduce.cc``, ``allgather.cc``, ``broadcast.cc``):
+
+* all_reduce: ``AsyncAllreduceWork`` calls ``gloo::allreduce`` without
+  choosing an algorithm, which selects the **ring** (reduce-scatter, then
+  all-gather) at every message size: gloo's halving-doubling and bcube
+  exist but ProcessGroupGloo never selects them, and there is no small-message
+  tree as in NCCL. What differs from the textbook ring is segmentation: each
+  rank's chunk is cut into at least 2 segments of at most 1 MiB, two in
+  flight, so even a small all-reduce makes 2(n-1) ring steps of two segment
+  messages each, and a large one pays a little per-segment cost that the
+  fit folds into ``beta``. Formula: ``2(n-1) alpha + 2(n-1)/n S beta``.
+* all_gather: ``gloo::allgather``, a ring passing each chunk in two halves:
+  ``(n-1) alpha + (n-1)/n S beta``.
+* reduce_scatter: gloo has no reduce-scatter; ProcessGroupGloo clones the
+  input, **all-reduces it whole** and copies out its chunk, so it costs an
+  all-reduce, ``2(n-1) alpha + 2(n-1)/n S beta``, twice the textbook bytes.
+* broadcast: ``gloo::broadcast`` is a **binomial tree** sending the whole
+  message at each level: ``ceil(log2 n) (alpha + S beta)``.
+* send_recv: ``alpha + S beta``.
+
+At ``n = 1`` every collective costs 0. At ``n = 2`` the ring and the tree
+coincide, so a calibration at world size 2 cannot tell them apart: the
+formulas above are what carries it to other ``n``.
+
+``predict_ddp_step`` turns a single-rank compute timeline and DDP's bucket
+sizes into a step time; ``measure`` and ``validate`` check it against real
+DDP runs; ``project`` extrapolates to world sizes and links this machine
+does not have (a simulation, with its ``assumptions``).
+
+The modules, one job each (every public name is re-exported here, so
+``from dtlab.analysis import costmodel; costmodel.X`` reaches them all):
+
+* ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
+* ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``);
+* ``measure``: the code that starts runs (``measure``, ``measure_links``) and checks the step model
+  against them (``validate``, ``validate_links``, ``summary``);
+* ``projection``: what-if world sizes and links (``project``, ``assumptions``).
+"""
+
+from dtlab.analysis.costmodel.links import (
+    ALGORITHM_NAMES,
+    ALGORITHMS,
+    BACKENDS,
+    OPS,
+    SWEEP_COLUMNS,
+    Coefficients,
+    LinkModel,
+    calibrate,
+    capped,
+    coefficients,
+    fit_alpha_beta,
+    fit_frame,
+)
+from dtlab.analysis.costmodel.measure import (
+    MAX_TARGET,
+    MEDIAN_TARGET,
+    WARMUP_STEPS,
+    ddp_overhead,
+    measure,
+    measure_links,
+    overhead_batch,
+    overhead_from,
+    read_runs,
+    run_numbers,
+    summary,
+    summary_line,
+    validate,
+    validate_links,
+)
+from dtlab.analysis.costmodel.projection import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_WORLD_SIZES,
+    MIB,
+    assumptions,
+    project,
+    split_buckets,
+)
+from dtlab.analysis.costmodel.step import (
+    COMPUTE_PHASES,
+    BucketTiming,
+    StepPrediction,
+    bucket_schedule,
+    predict_ddp_step,
+    timeline_frame,
+)
+
+__all__ = [
+    "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "LinkModel", "MAX_TARGET", "MEDIAN_TARGET", "MIB", "OPS",
+    "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bucket_schedule", "calibrate", "capped",
+    "coefficients", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links", "overhead_batch",
+    "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "split_buckets", "summary",
+    "summary_line", "timeline_frame", "validate", "validate_links",
+]

@@ -1,0 +1,91 @@
+"""``python -m dtlab bench``: run every script in ``benchmarks/`` and collect their result lines.
+
+Each benchmark prints ``NAME: measured RATIO (target ...) pass|MISS -- detail``;
+this runner runs them one after another (never two at once: they would disturb
+each other's timings), parses those lines and writes ``summary.csv`` and
+``summary.md`` with the date and the machine; ``--readme`` puts that table into
+the README between its ``bench:begin`` and ``bench:end`` markers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULT = re.compile(r"^(?P<name>[\w.]+): measured (?P<value>[-\d.e+naninf]+) \(target (?P<target>[^)]*)\)"
+                    r"(?P<verdict> pass| MISS)?(?P<quick> \[quick[^\]]*\])?(?: -- (?P<detail>.*))?$")
+
+
+def scripts(only: list[str] | None = None) -> list[Path]:
+    if not BENCH_DIR.is_dir():
+        raise ValueError(f"no benchmarks folder at {BENCH_DIR}: run from a dtlab checkout")
+    found = sorted(p for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_") and p.stem != "plain_ddp_script")
+    if only:
+        unknown = sorted(set(only) - {p.stem for p in found})
+        if unknown:
+            raise ValueError(f"unknown benchmark(s) {unknown}: choose from {[p.stem for p in found]}")
+        found = [p for p in found if p.stem in only]
+    return found
+
+
+def parse(output: str) -> list[dict[str, str]]:
+    return [m.groupdict() for line in output.splitlines() if (m := RESULT.match(line.strip()))]
+
+
+def machine() -> str:
+    return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+
+
+def run_all(out: Path, quick: bool = False, only: list[str] | None = None) -> list[dict[str, str]]:
+    """Run the benchmarks; raises RuntimeError naming any that failed, after running the rest."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], []
+    for script in scripts(only):
+        print(f"== {script.stem}", flush=True)
+        cmd = [sys.executable, str(script), "--out", str(out), *(["--quick"] if quick else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH_DIR.parent)
+        (out / f"{script.stem}.log").write_text(proc.stdout + proc.stderr)
+        found = parse(proc.stdout)
+        for row in found:
+            print(f"   {row['name']}: {row['value']} (target {row['target']}){row['verdict'] or ''}", flush=True)
+        if proc.returncode != 0 or not found:
+            failed.append(f"{script.stem} (exit {proc.returncode}; see {out / (script.stem + '.log')})")
+        rows += [{"script": script.stem, **row} for row in found]
+    write_summary(out, rows, quick)
+    if failed:
+        raise RuntimeError("benchmarks failed: " + ", ".join(failed))
+    return rows
+
+
+def write_summary(out: Path, rows: list[dict[str, str]], quick: bool) -> None:
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(out / "summary.csv", index=False)
+    date = datetime.date.today().isoformat()
+    lines = [f"Measured {date} on {machine()}{' (quick smoke run: not measurements)' if quick else ''}.", "",
+             "| benchmark | measured | target | verdict | detail |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        verdict = (r["verdict"] or "").strip() or "—"
+        lines.append(f"| `{r['name']}` | {float(r['value']):.3f} | {r['target']} | {verdict} | {r['detail'] or ''} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def update_readme(readme: Path, summary_md: str) -> None:
+    """Replace what lies between the README's bench markers with ``summary_md`` (written atomically)."""
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} section to regenerate")
+    new = text[:start + len(README_BEGIN)] + "\n" + summary_md.strip() + "\n" + text[end:]
+    tmp = readme.with_name(readme.name + ".tmp")
+    tmp.write_text(new)
+    tmp.replace(readme)

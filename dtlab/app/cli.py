@@ -1,0 +1,323 @@
+"""Command line: ``python -m dtlab run | compare | bench | cluster``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dtlab import plots, tiers
+from dtlab.analysis.compare import compare, figures, format_table
+from dtlab.app.bench import run_all, update_readme
+from dtlab.core import options
+from dtlab.core.config import RunConfig
+from dtlab.core.results import RunResult
+from dtlab.launch import cluster
+from dtlab.train import preflight, run
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--model", default=d.model, help="mlp, cnn, cnn-bn, charformer or package.module:factory")
+    p.add_argument("--model-size", type=int, default=d.model_size, help="width of the built-in model")
+    p.add_argument("--model-depth", type=int, default=d.model_depth, help="mlp hidden layers / charformer blocks")
+    p.add_argument("--dataset", default=d.dataset, help="digits, synthetic or text")
+    p.add_argument("--dataset-size", type=int, default=d.dataset_size, help="samples (synthetic only)")
+    p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global batch size")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--optimizer", default=d.optimizer, help="sgd or adam")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=d.threads_per_rank, help="threads per rank (0: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds a collective may wait")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a tier option, e.g. --opt bucket_cap_mb=1 (repeatable); booleans true/false, "
+                   "lists comma-separated: --opt faults=sigkill:7:1,exception:12:0")
+
+
+def tier_options(tier: str, pairs: list[str]) -> Any:
+    """Build the tier's Options from ``--opt KEY=VALUE`` strings (converted by ``dtlab.core.options``).
+
+    A tuple option takes comma-separated values (``--opt faults=sigkill:7:1,exception:12:0``); given
+    twice, its values add up. Anything that does not fit is one line naming ``--opt`` and the field.
+    """
+    spec = tiers.get(tier)
+    known = options.fields(spec.options)
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in known:
+            what = "is not KEY=VALUE" if not sep else f"tier {tier!r} has no option {key!r}"
+            raise ValueError(f"--opt {pair}: {what}; it takes: {', '.join(known) or 'no options'}")
+        try:
+            value = options.parse(known[key], raw, key)
+        except options.OptionError as exc:
+            raise ValueError(f"--opt {exc}") from None
+        values[key] = values.get(key, ()) + value if known[key] == "tuple" else value
+    return spec.options(**values)
+
+
+def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> RunConfig:
+    return RunConfig(
+        tier=tier, world_size=world_size, model=args.model, model_size=args.model_size, model_depth=args.model_depth,
+        dataset=args.dataset,
+        dataset_size=args.dataset_size, global_batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+        optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
+        threads_per_rank=args.threads, timeout_s=args.timeout, tier_options=tier_options(tier, args.opt),
+    )
+
+
+def check_writable(folder: str | os.PathLike[str], flag: str) -> Path:
+    """Make sure ``folder`` can be created and written, before any process starts; leaves no trace.
+
+    ValueError naming ``flag`` otherwise: a run that trains for minutes and then cannot save loses its results.
+    """
+    out = Path(folder)
+    missing = []  # the folders this check creates, deepest first, removed again afterwards
+    for parent in (out, *out.parents):
+        if parent.exists() or parent.is_symlink():
+            break
+        missing.append(parent)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".dtlab-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {folder}: cannot create or write this folder ({exc.strerror or exc})") from None
+    finally:
+        for made in missing:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+    return out
+
+
+def _fallback(out: str | os.PathLike[str], exc: OSError, write: Callable[[Path], Any]) -> Path:
+    """After a failed save: write into a new temporary folder instead, and say so (one line on stderr)."""
+    folder = Path(tempfile.mkdtemp(prefix="dtlab-results-"))
+    write(folder)
+    print(f"error: could not write --out {out} ({exc.strerror or exc}); the results are saved in {folder} instead",
+          file=sys.stderr)
+    return folder
+
+
+def save_result(result: RunResult, out: str | os.PathLike[str]) -> tuple[Path, bool]:
+    """``result.save(out)``; if that fails, into a new temporary folder (said on stderr). (folder, saved in out?)"""
+    try:
+        return result.save(out), True
+    except OSError as exc:
+        return _fallback(out, exc, result.save), False
+
+
+def _preflight(cfg: RunConfig) -> None:
+    try:
+        preflight(cfg)
+    except OSError as exc:  # a probe that could not even look: one line, as for a failed check
+        raise ValueError(f"{cfg.tier}: preflight failed: {exc}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, args.tier, args.world_size)
+    _preflight(cfg)
+    check_writable(args.out, "--out")
+    result = run(cfg, progress=not args.quiet)
+    out, saved = save_result(result, args.out)
+    summary = result.summary()
+    print(f"{cfg.tier} x{cfg.world_size}: median step {summary['median_step_s'] * 1e3:.2f} ms, "
+          f"{summary['samples_per_s']:.0f} samples/s, final loss {summary['final_loss']:.4f}, "
+          f"test accuracy {summary.get('test_accuracy', float('nan')):.3f}")
+    print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json, params.pt")
+    return 0 if saved else 1
+
+
+def _split(text: str, flag: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{flag} {text!r}: give one or more comma-separated values")
+    return items
+
+
+def _world_sizes(text: str) -> list[int]:
+    sizes = []
+    for item in _split(text, "--world-sizes"):
+        try:
+            sizes.append(int(item))
+        except ValueError:
+            raise ValueError(f"--world-sizes {text}: {item!r} is not an integer (write e.g. 1,2,4)") from None
+    return sizes
+
+
+def _save_compare(folder: Path, table: Any, results: list[RunResult]) -> None:
+    """What ``compare(out_dir=...)`` writes: one folder per run, compare.csv and the figures."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        result.save(folder / f"{result.config.tier}-w{result.config.world_size}")
+    table.to_csv(folder / "compare.csv", index=False)
+    for name, fig in figures(table, results).items():
+        plots.save(fig, folder / f"{name}.png")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if args.opt:
+        raise ValueError("--opt: compare runs every tier with its default options; use 'run --tier T --opt ...'")
+    names = _split(args.tiers, "--tiers")
+    for name in names:
+        if name not in tiers.TIERS:
+            raise ValueError(f"--tiers {args.tiers}: unknown tier {name!r}: choose from {', '.join(tiers.TIERS)}")
+    sizes = _world_sizes(args.world_sizes)
+    base = config_from_args(args, "single", 1)
+    # The jobs compare() will run, each validated and preflighted before the first starts.
+    for cfg in [base] + [base.replace(tier=n, world_size=w) for n in names if n != "single" for w in sizes]:
+        _preflight(cfg)
+    if args.out:
+        check_writable(args.out, "--out")
+    done: list[RunResult] = []
+    table = compare(base, names, sizes, progress=not args.quiet, results=done)
+    print(format_table(table))
+    if args.out:
+        try:
+            _save_compare(Path(args.out), table, done)
+        except OSError as exc:
+            folder = _fallback(args.out, exc, lambda f: _save_compare(f, table, done))
+            print(f"wrote {folder}/compare.csv and one folder per run")
+            return 1
+        print(f"wrote {args.out}/compare.csv and one folder per run")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    only = [n.strip() for n in args.only.split(",")] if args.only else None
+    if args.readme and (args.quick or only):
+        print("error: --readme needs the full run of every benchmark (no --quick, no --only)", file=sys.stderr)
+        return 2
+    try:
+        run_all(Path(args.out), quick=args.quick, only=only)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}/summary.md and summary.csv")
+    if args.readme:
+        readme = Path(__file__).resolve().parents[2] / "README.md"
+        update_readme(readme, (Path(args.out) / "summary.md").read_text())
+        print(f"regenerated the benchmark table in {readme}")
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    if args.collect:
+        try:
+            result = cluster.collect(args.collect)
+        except FileNotFoundError as exc:  # not finished, failed, or not a cluster directory: one line
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        out = result.save(args.collect)
+        summary = result.summary()
+        print(f"{result.config.tier} x{result.config.world_size}: median step {summary['median_step_s'] * 1e3:.2f} ms, "
+              f"final loss {summary['final_loss']:.4f}, test accuracy {summary.get('test_accuracy', float('nan')):.3f}")
+        print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json, params.pt")
+        return 0
+    if args.master_addr is None:
+        raise ValueError("--master-addr is required: the address or host name of node 0 (it hosts the rendezvous)")
+    launch = dict(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
+                  port=args.port, max_restarts=args.max_restarts, rdzv_id=args.rdzv_id, ifname=args.ifname)
+    # First: a bad launch (e.g. --nnodes 0) is named as such, not as the world size it would give.
+    cluster.check(args.tier, **launch)
+    cfg = config_from_args(args, args.tier, args.nnodes * args.nproc_per_node)
+    plan = cluster.plan(cfg, workdir=args.workdir, **launch)
+    paths = cluster.write(plan)
+    for i, command in enumerate(plan.commands):
+        print(f"node {i}:" + (f" (on {plan.master_addr}: it hosts the rendezvous)" if i == 0 else ""))
+        print(f"  {command}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    print(f"next: sbatch {plan.sbatch_path} (or run the command above on every node); once it has finished: "
+          f"python -m dtlab cluster --collect {plan.workdir}")
+    return 0
+
+
+# The flag that sets each RunConfig field, to name it in an error about that field.
+FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "model_size": "--model-size",
+         "model_depth": "--model-depth", "dataset": "--dataset", "dataset_size": "--dataset-size",
+         "global_batch_size": "--batch-size", "steps": "--steps", "lr": "--lr", "optimizer": "--optimizer",
+         "seed": "--seed", "backend": "--backend", "device": "--device", "threads_per_rank": "--threads",
+         "timeout_s": "--timeout"}
+COMMAND_FLAGS = {"compare": {"world_size": "--world-sizes", "tier": "--tiers"},
+                 "cluster": {"world_size": "--nnodes x --nproc-per-node"}}
+
+
+def name_flag(message: str, args: argparse.Namespace) -> str:
+    """Prefix an error about a RunConfig field or a tier option with the flag that sets it."""
+    found = re.search(r"(RunConfig|tier_options)\.(\w+)", message)
+    if message.startswith("--") or not found:
+        return message
+    where, name = found.groups()
+    if where == "tier_options":
+        given = [p for p in getattr(args, "opt", []) if p.partition("=")[0].strip().replace("-", "_") == name]
+        return f"--opt {given[-1] if given else name}: {message}"
+    flag = COMMAND_FLAGS.get(args.command, {}).get(name) or FLAGS.get(name)
+    return f"{flag}: {message}" if flag else message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, not the usage block
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m dtlab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run one tier and write result.json, events.csv, trace.json, params.pt")
+    p_run.add_argument("--tier", default="single", help=f"one of {', '.join(tiers.TIERS)}")
+    p_run.add_argument("--world-size", type=int, default=1)
+    p_run.add_argument("--out", default="results/run", help="output folder")
+    p_run.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_job_args(p_run)
+    p_run.set_defaults(func=cmd_run)
+    p_cmp = sub.add_parser("compare", help="run several tiers on the same job and compare them with 'single'")
+    p_cmp.add_argument("--tiers", default="single", help="comma-separated tiers")
+    p_cmp.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
+    p_cmp.add_argument("--out", default=None, help="output folder")
+    p_cmp.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_job_args(p_cmp)
+    p_cmp.set_defaults(func=cmd_compare)
+    p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")
+    p_bench.add_argument("--quick", action="store_true", help="smoke mode: checks each benchmark runs")
+    p_bench.add_argument("--only", default="", help="comma-separated benchmark names")
+    p_bench.add_argument("--out", default="results/bench", help="output folder")
+    p_bench.add_argument("--readme", action="store_true", help="regenerate README.md's benchmark table")
+    p_bench.set_defaults(func=cmd_bench)
+    p_cl = sub.add_parser("cluster", help="write a multi-node torchrun job (node commands and a SLURM script), "
+                          "or --collect its results")
+    p_cl.add_argument("--tier", default="ddp", help=f"one of {', '.join(cluster.TIERS)}")
+    p_cl.add_argument("--nnodes", type=int, default=2, help="machines (one torchrun agent each)")
+    p_cl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per machine (e.g. its GPUs)")
+    p_cl.add_argument("--master-addr", default=None, help="address or host name of node 0 (required)")
+    p_cl.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    p_cl.add_argument("--workdir", default="results/cluster", help="a directory every node shares")
+    p_cl.add_argument("--max-restarts", type=int, default=None,
+                      help="torchrun restarts (default 0; the elastic tier's max_restarts for it)")
+    p_cl.add_argument("--ifname", default=None, help="network interface between the nodes (default: gloo's choice)")
+    p_cl.add_argument("--rdzv-id", default="dtlab", help="rendezvous id (the SLURM script uses the job id)")
+    p_cl.add_argument("--collect", default=None, metavar="WORKDIR",
+                      help="after the run: gather WORKDIR's results and write result.json etc. there")
+    _add_job_args(p_cl)
+    p_cl.set_defaults(func=cmd_cluster)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: one clear line, not a traceback
+        line = " ".join(str(exc).split())  # a message spanning lines still prints as one
+        print(f"error: {name_flag(line, args)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,112 @@
+"""Every private torch API dtlab touches, in one place, each with what happens where it is missing.
+
+These names are not part of torch's public API and can change in any release.
+dtlab is tested on the torch version pinned in the Makefile (``TESTED_TORCH``).
+A helper that makes a figure nicer (a tag, a timing) degrades quietly where the
+API is missing; one that dtlab cannot work without raises ``TorchCompatError``
+naming the torch version it was written for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TESTED_TORCH = "2.13"
+
+
+class TorchCompatError(RuntimeError):
+    """A private torch API dtlab relies on is missing from this torch."""
+
+
+def _missing(what: str, exc: BaseException | None = None) -> TorchCompatError:
+    detail = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return TorchCompatError(f"{what} is not available in torch {torch.__version__}{detail}; dtlab uses it as in "
+                            f"torch {TESTED_TORCH}, the version its tests run on")
+
+
+# -- c10d ------------------------------------------------------------------------------------
+def default_group() -> Any:
+    """The default process group (``distributed_c10d._get_default_group``)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_group()
+    except AttributeError as exc:
+        raise _missing("torch.distributed.distributed_c10d._get_default_group", exc) from None
+
+
+# -- DDP -------------------------------------------------------------------------------------
+def ddp_bucket_sizes(model: Any) -> list[int]:
+    """Bytes of each of DDP's current gradient buckets, in the reducer's order.
+
+    DDP's logging data keeps the first layout only; after the first step DDP
+    rebuilds buckets in gradient-ready order, so ask the reducer.
+    """
+    try:
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+    except AttributeError as exc:
+        raise _missing("DistributedDataParallel.reducer._get_zeros_like_grad_buckets", exc) from None
+    return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------
+def fsdp_default_comms() -> tuple[type, type] | None:
+    """FSDP2's default all-gather and reduce-scatter classes, to subclass for recording; None where absent
+    (older FSDP2 calls ``all_gather_into_tensor`` itself, which the recorder sees as is)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        return None
+    return DefaultAllGather, DefaultReduceScatter
+
+
+# -- pipelining ------------------------------------------------------------------------------
+def wrap_pipeline_stage_init(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace the schedule's first-step stage initialisation (a shape exchange) by ``wrap(init)``.
+
+    Returns False, changing nothing, where the schedule has no ``_initialize_stage``: tagging is a nicety.
+    """
+    init = getattr(schedule, "_initialize_stage", None)
+    if init is None:
+        return False
+    schedule._initialize_stage = wrap(init)
+    return True
+
+
+# -- RPC -------------------------------------------------------------------------------------
+def is_rref(obj: Any) -> bool:
+    """True for an RRef, local or received (``rpc.RRef`` subclasses the private ``PyRRef``)."""
+    rref_type = getattr(getattr(torch._C, "_distributed_rpc", None), "PyRRef", None)
+    return rref_type is not None and isinstance(obj, rref_type)
+
+
+def on_rref_created(rref: Any, callback: Callable[[Any], None]) -> None:
+    """Call ``callback`` once the owner confirms the RRef (``RRef._get_future``); nothing where absent."""
+    with contextlib.suppress(Exception):
+        rref._get_future().add_done_callback(callback)
+
+
+def set_rpc_timeout(seconds: float) -> None:
+    """The default timeout of every later RPC in this process (``rpc._set_rpc_timeout``)."""
+    from torch.distributed import rpc
+
+    try:
+        rpc._set_rpc_timeout(seconds)
+    except AttributeError as exc:
+        raise _missing("torch.distributed.rpc._set_rpc_timeout", exc) from None
+
+
+def tensorpipe_options(init_method: str, rpc_timeout_s: float) -> Any:
+    """TensorPipe options with the ``uv`` transport and ``basic`` channel only (private keyword arguments):
+    one listening socket per worker and no multiplexed lanes."""
+    from torch.distributed import rpc
+
+    try:
+        return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=rpc_timeout_s,
+                                               _transports=["uv"], _channels=["basic"])
+    except TypeError as exc:
+        raise _missing("TensorPipeRpcBackendOptions(_transports=, _channels=)", exc) from None

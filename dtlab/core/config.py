@@ -1,0 +1,168 @@
+"""RunConfig: one frozen, validated description of a training job.
+
+Every check runs in ``__post_init__`` so that a bad value fails in the
+notebook cell that made it, before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dtlab.core import registry
+
+MODELS = ("mlp", "cnn", "cnn-bn", "charformer")
+DATASETS = ("synthetic", "digits", "text")
+OPTIMIZERS = ("sgd", "adam")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"RunConfig.{field_name}={value!r} is invalid: {allowed}")
+
+
+def resolve_import_path(path: str) -> Callable[..., Any]:
+    """Turn ``package.module:factory`` into the callable it names."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} from {path!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{path!r} names {type(obj).__name__}, not a callable model factory")
+    return obj
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A training job. Tier-specific knobs live in ``tier_options``.
+
+    ``model`` is a built-in name (see ``MODELS``), an import path
+    ``package.module:factory`` or a callable ``factory(input_shape, num_classes)``
+    (a function defined in a notebook cell works: it is sent to the ranks with
+    cloudpickle).
+    """
+
+    tier: str = "single"
+    world_size: int = 1
+    model: str | Callable[..., Any] = "mlp"
+    model_size: int = 64
+    model_depth: int = 2  # hidden layers of the mlp, blocks of the charformer
+    dataset: str = "digits"
+    dataset_size: int = 2048
+    global_batch_size: int = 64
+    steps: int = 50
+    lr: float = 0.01
+    optimizer: str = "adam"
+    seed: int = 0
+    backend: str = "auto"
+    device: str = "auto"
+    threads_per_rank: int = 0  # 0: the machine's cores divided among the ranks
+    timeout_s: float = 60.0
+    tier_options: Any = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in registry.names():
+            _fail("tier", self.tier, f"choose one of {', '.join(registry.names())}")
+        for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "dataset_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "must be an integer >= 1")
+        if self.global_batch_size % self.world_size:
+            _fail(
+                "global_batch_size",
+                self.global_batch_size,
+                f"must be divisible by world_size={self.world_size} so every rank gets the same share",
+            )
+        if isinstance(self.model, str):
+            if ":" in self.model:
+                try:
+                    resolve_import_path(self.model)
+                except ValueError as exc:
+                    _fail("model", self.model, str(exc))
+            elif self.model not in MODELS:
+                _fail("model", self.model, f"choose one of {', '.join(MODELS)} or 'package.module:factory'")
+        elif not callable(self.model):
+            _fail("model", self.model, "must be a name, an import path or a callable")
+        if self.dataset not in DATASETS:
+            _fail("dataset", self.dataset, f"choose one of {', '.join(DATASETS)}")
+        if self.model == "charformer" and self.dataset != "text":
+            _fail("model", self.model, "charformer reads characters: use dataset='text'")
+        if self.dataset == "text" and self.model in ("mlp", "cnn", "cnn-bn"):
+            _fail("dataset", self.dataset, "the text data set needs model='charformer'")
+        if self.optimizer not in OPTIMIZERS:
+            _fail("optimizer", self.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            _fail("lr", self.lr, "must be > 0")
+        if self.backend not in BACKENDS:
+            _fail("backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
+        if self.device not in DEVICES:
+            _fail("device", self.device, f"choose one of {', '.join(DEVICES)}")
+        if self.device == "cpu" and self.backend == "nccl":
+            _fail("backend", self.backend, "nccl needs CUDA devices; use gloo with device='cpu'")
+        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 0:
+            _fail("threads_per_rank", self.threads_per_rank, "must be an integer >= 0 (0 = automatic)")
+        if not self.timeout_s > 0:
+            _fail("timeout_s", self.timeout_s, "must be > 0 seconds")
+        spec = registry.get(self.tier)
+        if self.tier_options is None:
+            object.__setattr__(self, "tier_options", spec.options())
+        elif type(self.tier_options) is not spec.options:
+            _fail("tier_options", self.tier_options, f"tier {self.tier!r} takes {spec.options.__module__}.Options")
+        spec.validate(self)
+
+    # Derived values, so that every rank computes them the same way.
+    @property
+    def per_rank_batch(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    @property
+    def resolved_threads(self) -> int:
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some fields changed (validated again)."""
+        if "tier" in changes and "tier_options" not in changes:
+            changes["tier_options"] = None
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """The inverse of ``to_dict`` (for a config file), validated; the model must be a name or import path."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown RunConfig field(s) {unknown}: choose from {sorted(fields)}")
+        data = dict(data)
+        options = data.pop("tier_options", None) or {}
+        options_type = registry.get(data.get("tier", "single")).options
+        # JSON has no tuples: lists come back as the tuples the options hold.
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        try:
+            data["tier_options"] = options_type(**options)
+        except TypeError as exc:
+            raise ValueError(f"tier_options for tier {data.get('tier', 'single')!r}: {exc}") from None
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tier_options"}
+        if callable(self.model):
+            target = getattr(self.model, "func", self.model)  # functools.partial: name the function
+            out["model"] = getattr(target, "__qualname__", type(target).__name__)
+        out["tier_options"] = dataclasses.asdict(self.tier_options)
+        return out
+

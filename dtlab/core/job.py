@@ -1,0 +1,28 @@
+"""The job every rank (and every tier) starts from: the seeded model, the data and the optimizer."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dtlab.core import data as datasets
+from dtlab.core import models
+from dtlab.core.config import RunConfig
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def optimizer_factory(cfg: RunConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """``functools.partial(OptimizerClass, lr=...)``: tiers that shard it read ``.func`` and ``.keywords``."""
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[cfg.optimizer]
+    return functools.partial(cls, lr=cfg.lr)
+
+
+def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, datasets.Dataset]:
+    """The seeded model and data every rank (and every tier) starts from."""
+    data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth).to(device)
+    return model, data

@@ -1,0 +1,144 @@
+"""Built-in models, sized by one knob (``width``), and user factories.
+
+Models are built after ``torch.manual_seed(seed)`` on every rank, so every
+rank starts from the same parameters without a broadcast (DDP broadcasts
+anyway; the naive tier does it by hand to show why).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.core.config import resolve_import_path
+from dtlab.core.data import Dataset
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, width: int = 64, depth: int = 2) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    n_in = math.prod(input_shape)
+    for _ in range(depth):
+        layers += [nn.Linear(n_in, width), nn.ReLU()]
+        n_in = width
+    layers.append(nn.Linear(n_in, num_classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 64, batchnorm: bool = False) -> nn.Module:
+    """A small CNN for 8x8 images. With ``batchnorm`` it teaches why BN breaks parity."""
+    c = max(4, width // 4)
+    norm = (lambda n: nn.BatchNorm2d(n)) if batchnorm else (lambda n: nn.Identity())
+    return nn.Sequential(
+        nn.Conv2d(input_shape[0], c, 3, padding=1), norm(c), nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, padding=1), norm(2 * c), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(8 * c, num_classes),
+    )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(width, width)
+        # No bias on the key projection: softmax is invariant to it, so its true
+        # gradient is zero, and Adam would turn rounding noise there into
+        # full-size updates that differ between tiers.
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, w // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, w))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharFormer(nn.Module):
+    """A tiny decoder-only transformer over characters."""
+
+    def __init__(self, vocab: int, seq_len: int, width: int = 64, layers: int = 2, heads: int = 2) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"model_size={width} must be divisible by the {heads} attention heads")
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
+          depth: int = 2) -> nn.Module:
+    """Make the model named by ``spec`` (built-in name, import path or callable)."""
+    if spec == "mlp":
+        return mlp(input_shape, num_classes, width, depth)
+    if spec == "cnn":
+        return cnn(input_shape, num_classes, width)
+    if spec == "cnn-bn":
+        return cnn(input_shape, num_classes, width, batchnorm=True)
+    if spec == "charformer":
+        return CharFormer(num_classes, input_shape[0], width, layers=depth)
+    if isinstance(spec, str):
+
+
+        spec = resolve_import_path(spec)
+    params = inspect.signature(spec).parameters
+    model = spec(input_shape, num_classes) if len(params) >= 2 else spec()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every prediction (any output rank): the training loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and the number of correct predictions (any output rank)."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_target = target.reshape(-1)
+    loss = F.cross_entropy(flat_logits, flat_target)
+    correct = (flat_logits.argmax(-1) == flat_target).sum()
+    return loss, correct
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device,
+             batch: int = 512) -> dict[str, float]:
+    """Held-out mean loss and accuracy on the test split, in eval mode."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, targets = 0.0, 0, 0
+    for i in range(0, len(data.test_x), batch):
+        x, y = data.test_x[i:i + batch].to(device), data.test_y[i:i + batch].to(device)
+        loss, right = loss_and_correct(model(x), y)
+        total_loss += loss.item() * y.numel()
+        correct += int(right)
+        targets += y.numel()
+    model.train(was_training)
+    return {"loss": total_loss / targets, "accuracy": correct / targets}

@@ -1,0 +1,92 @@
+"""The tier registry: what each tier declares about itself, and where to find it by name.
+
+A tier module builds one ``TierSpec`` (``dtlab.tiers`` registers them all when
+``dtlab`` is imported). ``RunConfig`` checks a job against its tier's spec, the
+runner launches by it, and the CLI and the panel build their knobs from its
+``options`` dataclass. Only data and plain functions live here, so every layer
+can read a spec while the tiers themselves sit above this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+LAUNCHERS = ("local", "torchrun", "rpc")
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """How a torchrun tier's agents ("nodes") are started, derived from the job alone."""
+
+    nproc_per_node: int
+    nodes: int  # agents at the start
+    max_nodes: int = 0  # > nodes: the others join once ``join_at_step`` steps are done
+    join_at_step: int = 0
+    max_restarts: int = 0
+    network: str = "loopback"  # "loopback", "netns" or "auto" (namespaces where possible)
+    link_mbit: float = 0.0  # cap of each simulated host's link (netns only); 0: uncapped
+    scratch_option: str = ""  # a tier option naming a directory; "" in the job: the runner makes a temporary one
+    entry: str = "dtlab.train.loop:train"  # the function each rank runs, ``module:function``
+
+    @property
+    def nnodes(self) -> str:
+        """torchrun's ``--nnodes``."""
+        return f"{self.nodes}:{self.max_nodes}" if self.max_nodes > self.nodes else str(self.nodes)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier: its name, knobs, checks and how it runs.
+
+    ``validate(cfg)`` is pure (no files, sockets or namespaces: ``RunConfig`` calls
+    it on every change); ``preflight(cfg)`` probes the environment and runs once,
+    before any process starts. ``launcher`` says how ranks start: ``local`` (dtlab's
+    launcher, the same function on every rank), ``torchrun`` (agents, see
+    ``agents``) or ``rpc`` (named RPC workers running ``rpc_main``).
+    """
+
+    name: str
+    summary: str
+    options: type
+    validate: Callable[[Any], None]
+    strategy: type | None = None
+    processes: Callable[[Any], int] = lambda cfg: cfg.world_size
+    launcher: str = "local"
+    preflight: Callable[[Any], None] = lambda cfg: None
+    agents: Callable[[Any], AgentPlan] | None = None
+    rpc_main: Callable[..., Any] | None = None
+    rpc_names: Callable[[Any], list[str]] | None = None
+    # Options whose values the panel offers as a list (field -> choices).
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"TierSpec {self.name!r}: launcher {self.launcher!r} is not one of {LAUNCHERS}")
+        if self.launcher == "local" and self.strategy is None:
+            raise ValueError(f"TierSpec {self.name!r}: a local tier needs a Strategy")
+        if self.launcher == "torchrun" and (self.agents is None or self.strategy is None):
+            raise ValueError(f"TierSpec {self.name!r}: a torchrun tier needs agents() and a Strategy")
+        if self.launcher == "rpc" and (self.rpc_main is None or self.rpc_names is None):
+            raise ValueError(f"TierSpec {self.name!r}: an rpc tier needs rpc_main and rpc_names")
+
+
+_TIERS: dict[str, TierSpec] = {}
+
+
+def register(spec: TierSpec) -> TierSpec:
+    if spec.name in _TIERS and _TIERS[spec.name] is not spec:
+        raise ValueError(f"tier {spec.name!r} is registered twice")
+    _TIERS[spec.name] = spec
+    return spec
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_TIERS)
+
+
+def get(name: str) -> TierSpec:
+    if name not in _TIERS:
+        raise ValueError(f"unknown tier {name!r}: choose one of {', '.join(_TIERS)}")
+    return _TIERS[name]

@@ -1,0 +1,118 @@
+"""The entry point dtlab runs under torchrun: ``python -m dtlab.launch.worker WORKDIR``.
+
+torchrun's agent starts one of these per local rank with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set. The worker loads what WORKDIR
+holds -- the function ``launch_torchrun`` left there (cloudpickle), or a
+``config.json`` that ``python -m dtlab cluster`` wrote (a RunConfig to
+train) -- runs it with the process group initialised, and leaves its result,
+or its error, as a file in WORKDIR, written atomically, for the launcher to
+collect. On a cluster WORKDIR is a shared directory; the same command runs
+on every node.
+
+Workers also append events (start, restart, snapshot, fault, ...) to
+``events.jsonl`` in WORKDIR: ``emit`` is how the tiers add theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from dtlab.core import progress
+from dtlab.core.config import RunConfig, resolve_import_path
+from dtlab.core.env import DistInfo
+from dtlab.core.events import WORKDIR_ENV, emit
+from dtlab.core.results import atomic_write
+from dtlab.launch.contract import RankOptions
+from dtlab.launch.rank import call_recorded
+
+PAYLOAD = "payload.pkl"
+CONFIG = "config.json"
+# What a config.json job runs on each rank. Named, not imported: the training loop sits above launch.
+TRAIN_ENTRY = "dtlab.train.loop:train"
+
+
+def result_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"result-rank{rank}.pkl"
+
+
+def error_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"error-rank{rank}.json"
+
+
+def progress_path(workdir: Path) -> Path:
+    return workdir / "progress.jsonl"
+
+
+def read_config(workdir: Path) -> RunConfig:
+    """The RunConfig in WORKDIR/config.json (a cluster job, see ``dtlab.launch.cluster``)."""
+    return RunConfig.from_dict(json.loads((workdir / CONFIG).read_text()))
+
+
+def _load(workdir: Path) -> tuple[Any, tuple, RankOptions]:
+    """The function, its arguments and the rank options that WORKDIR holds."""
+    if (workdir / PAYLOAD).exists():
+        return cloudpickle.loads((workdir / PAYLOAD).read_bytes())
+    if (workdir / CONFIG).exists():
+        train = resolve_import_path(TRAIN_ENTRY)
+        cfg = read_config(workdir)
+        # A config.json run is a cluster's: gloo takes the interface the host name resolves to
+        # (or GLOO_SOCKET_IFNAME), never loopback.
+        return train, (cfg,), RankOptions(cfg.backend, cfg.device, cfg.timeout_s, gloo_ifname=None)
+    raise FileNotFoundError(f"{workdir} holds neither {PAYLOAD} nor {CONFIG}: nothing to run")
+
+
+class _ProgressFile:
+    """Stands in for the launcher's pipe: dtlab.report() appends JSON lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker
+
+    def send(self, message: tuple[str, dict[str, Any]]) -> None:
+        self.file.write(json.dumps(message[1], default=str) + "\n")
+
+
+def main(workdir: Path) -> int:
+    rank = int(os.environ["RANK"])
+    os.environ[WORKDIR_ENV] = str(workdir)
+    if rank == 0:
+        progress.attach(_ProgressFile(progress_path(workdir)), 0)
+    try:
+        emit("worker_start", local_rank=int(os.environ.get("LOCAL_RANK", 0)), pid=os.getpid(), agent_pid=os.getppid())
+        fn, args, options = _load(workdir)
+        if options.gloo_ifname:  # dtlab's own launches keep gloo on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", options.gloo_ifname)
+        info = DistInfo.init(options.backend, options.device, options.timeout_s)
+        emit("process_group_ready")
+        value = call_recorded(fn, info, args, options.record)
+        atomic_write(result_path(workdir, rank), cloudpickle.dumps(value))
+        emit("worker_finish")
+        DistInfo.cleanup()
+    except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
+        report = {"rank": rank, "error_type": type(exc).__name__, "message": str(exc),
+                  "traceback": traceback.format_exc(), "time": time.time(),
+                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+        atomic_write(error_path(workdir, rank), json.dumps(report).encode())
+        emit("worker_error", error_type=type(exc).__name__, message=str(exc)[:500])
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: torch + gloo can abort there even after
+    # destroy_process_group ("terminate called without an active exception").
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dtlab.launch.worker WORKDIR")
+    sys.exit(main(Path(sys.argv[1])))
