@@ -1,14 +1,14 @@
 # Two commands do all the set-up: `make demo` and `make test`.
 # The virtual environment is made on first use. torch is pinned to 2.13.0
 # first so that pip takes the CPU build this machine provides; pyproject.toml
-# itself asks only for a range (set TORCH= to keep or choose another torch).
+# asks for the range the tests cover (set TORCH= to choose another build in it).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtlab-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# The quick inner loop: no process launches, notebooks or browser (under 2 minutes).
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m dtlab bench --out results/bench --readme

@@ -17,12 +17,18 @@ import argparse
 import csv
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dtlab.core.config import RunConfig
+from dtlab.train import run
 
 DEFAULT_OUT = Path("results/bench")
 # Training steps left out of a run's steady state: more than RunResult.steady's default (1), on purpose. A
@@ -166,3 +172,146 @@ def result_line(name: str, measured: float, target: str, *, quick: bool, detail:
         line += f" -- {detail}"
     print(line, flush=True)
     return line
+
+
+# -- model sizes ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Size:
+    """One size of the MLP a training benchmark measures: width, global batch, steps per run, data set size."""
+
+    name: str
+    model_size: int
+    global_batch: int
+    steps: int
+    dataset_size: int = 4096
+    quick_steps: int = 8
+
+    def steps_for(self, quick: bool) -> int:
+        return self.quick_steps if quick else self.steps
+
+    def label(self, world_size: int) -> str:
+        return f"MLP {self.model_size}, batch {self.global_batch} = {world_size} x {self.global_batch // world_size}"
+
+
+# Small: communication and per-step overhead dominate (steps of a few ms), where a per-call cost shows most.
+SMALL = Size("small", model_size=256, global_batch=128, steps=100, quick_steps=10)
+# Large: compute-bound steps, as real training has: one thread computes a 512-sample step in 60-80 ms (measured
+# on a loaded 2-core machine, where two ranks' steps took 150-450 ms). Fewer steps per run: each costs ten small ones.
+LARGE = Size("large", model_size=1024, global_batch=1024, steps=30, dataset_size=16384, quick_steps=6)
+
+
+# -- per-round ratios -------------------------------------------------------------------------
+def ratio_text(values: Iterable[float]) -> str:
+    """``MEDIAN (rounds MIN..MAX)`` of per-round ratios, for a result line's detail."""
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return "nan (no rounds)"
+    return f"{median(values):.3f} (rounds {values[0]:.3f}..{values[-1]:.3f})"
+
+
+# -- dtlab against a plain torchrun script ---------------------------------------------------
+def dtlab_variant(cfg: RunConfig, variant: str, steps_out: list, *, record: bool = True) -> Callable[[int], dict]:
+    """A variant that runs ``dtlab.train.run(cfg)`` and measures its steady throughput.
+
+    Appends the run's per-step times (its slowest rank's) to ``steps_out``.
+    """
+    def go(round_: int) -> dict:
+        result = run(cfg, progress=False, record=record)
+        threads = {r.provenance["threads_per_rank"] for r in result.ranks}
+        if threads != {cfg.threads_per_rank} or len(result.ranks) != cfg.world_size:
+            raise RuntimeError(f"dtlab ran {len(result.ranks)} ranks with {threads} threads")
+        steps_out.extend({"round": round_, "variant": variant, "step": step, "step_s": s}
+                         for step, s in result.step_times().items())
+        step_s = steady_step_s(result)
+        return {"samples_per_s": cfg.global_batch_size / step_s, "median_step_s": step_s, "wall_s": result.wall_s}
+    return go
+
+
+def script_variant(script: Path, cfg: RunConfig, variant: str, steps_out: list, *,
+                   timeout_s: float = 300.0) -> Callable[[int], dict]:
+    """A variant that runs ``script`` (plain_ddp_script.py's arguments and JSON line) under torchrun.
+
+    The same model width, global batch, steps, warm-up, data, learning rate, seed
+    and threads per rank as ``cfg``, with ``cfg.world_size`` processes.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.world_size),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script),
+               "--model-size", str(cfg.model_size), "--batch", str(cfg.global_batch_size), "--steps", str(cfg.steps),
+               "--warmup", str(WARMUP_STEPS), "--dataset-size", str(cfg.dataset_size), "--lr", str(cfg.lr),
+               "--seed", str(cfg.seed), "--threads", str(cfg.threads_per_rank)]
+    # As dtlab's ranks: gloo on loopback; OMP_NUM_THREADS also keeps torchrun from warning about it.
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "GLOO_SOCKET_IFNAME": "lo"}
+
+    def go(round_: int) -> dict:
+        t0 = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+        wall_s = time.perf_counter() - t0
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"{script.name} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+                               f"{done.stderr[-4000:]}")
+        out = json.loads(lines[-1])
+        if out["threads"] != cfg.threads_per_rank or out["world_size"] != cfg.world_size:
+            raise RuntimeError(f"{script.name} ran with {out['threads']} threads, world {out['world_size']}")
+        steps_out.extend({"round": round_, "variant": variant, "step": step, "step_s": s}
+                         for step, s in enumerate(out["step_s"]))
+        return {"samples_per_s": out["samples_per_s"], "median_step_s": out["median_step_s"], "wall_s": wall_s}
+    return go
+
+
+def vs_script(name: str, tier: str, script: Path, doc: str, *, target: float, world_size: int = 2,
+              threads: int = 1, rounds: int = 8, argv: Sequence[str] | None = None) -> str:
+    """A ``*_vs_script`` benchmark: dtlab's ``tier`` against ``script``, at ``SMALL`` and ``LARGE`` sizes.
+
+    Per round, interleaved: dtlab small, script small, dtlab large, script
+    large. Reports the median over rounds of dtlab/script samples/s for each
+    size with the per-round range; the headline is the lower of the two, and
+    the target holds only if both meet it.
+    """
+    p = parser(doc)
+    p.add_argument("--model-size", type=int, default=SMALL.model_size, help=f"small MLP width ({SMALL.model_size})")
+    p.add_argument("--batch", type=int, default=SMALL.global_batch, help=f"small global batch ({SMALL.global_batch})")
+    p.add_argument("--steps", type=int, default=None, help=f"small steps per run ({SMALL.steps}, quick "
+                                                           f"{SMALL.quick_steps})")
+    p.add_argument("--large-model-size", type=int, default=LARGE.model_size,
+                   help=f"large MLP width ({LARGE.model_size})")
+    p.add_argument("--large-batch", type=int, default=LARGE.global_batch,
+                   help=f"large global batch ({LARGE.global_batch})")
+    p.add_argument("--large-steps", type=int, default=None,
+                   help=f"large steps per run ({LARGE.steps}, quick {LARGE.quick_steps})")
+    args = parse(p, argv)
+    sizes = [Size("small", args.model_size, args.batch, args.steps or SMALL.steps_for(args.quick), SMALL.dataset_size),
+             Size("large", args.large_model_size, args.large_batch, args.large_steps or LARGE.steps_for(args.quick),
+                  LARGE.dataset_size)]
+    cfgs = {s.name: RunConfig(tier=tier, world_size=world_size, model="mlp", model_size=s.model_size,
+                              dataset="synthetic", dataset_size=s.dataset_size, global_batch_size=s.global_batch,
+                              steps=s.steps, optimizer="sgd", lr=0.05, threads_per_rank=threads) for s in sizes}
+    steps_rows: list = []  # per step, its slowest rank's time (s)
+    variants: dict[str, Callable[[int], Mapping[str, Any]]] = {}
+    for size, cfg in cfgs.items():
+        variants[f"dtlab:{size}"] = dtlab_variant(cfg, f"dtlab:{size}", steps_rows)
+        variants[f"script:{size}"] = script_variant(script, cfg, f"script:{size}", steps_rows)
+    rows = interleave(variants, repeats(args, full=rounds, quick=1), warmup_rounds=0 if args.quick else 1, log=note)
+    size_of = {s.name: s for s in sizes}
+    rows = [{"tier": tier, "size": row["variant"].split(":")[1], "threads_per_rank": threads,
+             "world_size": world_size, **row} for row in rows]
+    for row in rows:
+        s = size_of[row["size"]]
+        row.update(model_size=s.model_size, global_batch=s.global_batch, steps=s.steps)
+    write_csv(args.out / f"{name}.csv", rows)
+    write_csv(args.out / f"{name}_steps.csv", steps_rows)
+    medians, parts, speeds = {}, [], []
+    for s in sizes:
+        r = ratios(rows, f"dtlab:{s.name}", f"script:{s.name}", "samples_per_s")
+        medians[s.name] = median(r)
+        step_ms = {v: 1e3 * median(per_round(rows, f"{v}:{s.name}", "median_step_s").values())
+                   for v in ("dtlab", "script")}
+        sps = {v: median(per_round(rows, f"{v}:{s.name}", "samples_per_s").values()) for v in ("dtlab", "script")}
+        note(f"{s.name} [{s.label(world_size)}]: dtlab/script samples/s per round {spread(r)}; median step "
+             f"dtlab {step_ms['dtlab']:.1f} ms, script {step_ms['script']:.1f} ms")
+        parts.append(f"{s.name} [{s.label(world_size)}] {ratio_text(r)}")
+        speeds.append(f"{s.name} dtlab {sps['dtlab']:.0f}, script {sps['script']:.0f}")
+    worst = min(medians.values())
+    detail = (f"lower of: {', '.join(parts)}; median samples/s {', '.join(speeds)} "
+              f"(world {world_size}, {threads} thread/rank)")
+    return result_line(name, worst, f">= {target}", quick=args.quick, passed=worst >= target, detail=detail)

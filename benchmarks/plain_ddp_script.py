@@ -13,6 +13,8 @@ would only slow the baseline down).
 Each rank times its own steps; rank 0 gathers the times and prints one JSON
 line: ``samples_per_s`` (global batch / median step time over the steps after
 ``--warmup``, a step taking as long as its slowest rank) and the step times.
+``plain_fsdp_script.py`` reuses this file's model, data, loop and report, so
+the two baselines differ only in how they wrap the model.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def synthetic(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (torch.tanh(x.flatten(1)) @ teacher).argmax(1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.Namespace:
+    """The command line both plain scripts take (the benchmarks pass dtlab's run's values)."""
+    p = argparse.ArgumentParser(description=description.splitlines()[0])
     p.add_argument("--model-size", type=int, default=256, help="MLP width")
     p.add_argument("--batch", type=int, default=128, help="global batch size")
     p.add_argument("--steps", type=int, default=60)
@@ -53,19 +56,16 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    args = p.parse_args()
+    return p.parse_args()
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")  # rank, world size and rendezvous from torchrun's environment
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> list[float]:
+    """The training loop, each step timed on this rank: its share of every global batch, forward, backward, step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise SystemExit(f"--batch={args.batch} must be divisible by the world size {world}")
     per_rank = args.batch // world
-
     x_all, y_all = synthetic(args.dataset_size, args.seed)
-    torch.manual_seed(args.seed)
-    model = DDP(mlp(64, args.model_size, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     steps_per_epoch = (args.dataset_size // world) // per_rank
     g = torch.Generator().manual_seed(args.seed)
 
@@ -84,7 +84,12 @@ def main() -> None:
         optimizer.step()
         loss.item()  # what a script logging its loss pays every step
         step_s.append(time.perf_counter() - t0)
+    return step_s
 
+
+def report(step_s: list[float], args: argparse.Namespace) -> None:
+    """Rank 0 prints the JSON line (a step taking as long as its slowest rank); then every rank leaves."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[list[float] | None] = [None] * world
     dist.all_gather_object(gathered, step_s)
     if rank == 0:
@@ -102,6 +107,17 @@ def main() -> None:
     # measurement is printed by now, so leave without running the teardown.
     sys.stdout.flush()
     os._exit(0)
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")  # rank, world size and rendezvous from torchrun's environment
+
+    torch.manual_seed(args.seed)
+    model = DDP(mlp(64, args.model_size, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    report(train(model, optimizer, args), args)
 
 
 if __name__ == "__main__":

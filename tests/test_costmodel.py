@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from dtlab import plots
+from dtlab.analysis import collectives
 from dtlab.analysis import costmodel as cm
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RankResult, RunResult
@@ -112,6 +113,91 @@ def test_fit_frame_sets_predictions_beside_measurements():
     link = cm.calibrate(df)
     fit = cm.fit_frame(df, link)
     assert np.allclose(fit["error"], 0, atol=1e-9) and fit["fitted_on"].all()
+
+
+# -- a calibration that holds from run to run: repeats, the outlier rule, the spread ----------------------------
+TOLERANCE = 0.05  # planted outliers may move alpha or beta by at most 5 %
+
+
+def repeat_sweep(noise: float = 0.02, repeats: int = 15, sizes=SIZES, order=None) -> pd.DataFrame:
+    """A per-repeat sweep at n = 2, as ``collectives.sweep`` measures it before reducing it: two ranks (rank 1
+    always 10 % faster: the slowest rank counts), bounded deterministic noise of +-``noise``, run in ``order``
+    (default: ``collectives.sweep_plan``'s) with a barrier (2 alpha) before each repeat; ``start_s`` says when."""
+    order = order or collectives.sweep_plan(("all_reduce",), tuple(sizes), repeats)
+    rows, clock = [], 0.0
+    for rep, op, s in order:
+        seconds = (2 * ALPHA + s * BETA) * (1 + noise * math.sin(1.7 * rep + 2.3 * sizes.index(s)))
+        rows += [{"rank": rank, "op": op, "bytes": s, "group_size": 2, "repeat": rep, "start_s": clock,
+                  "seconds": seconds * (1 - 0.1 * rank)} for rank in (0, 1)]
+        clock += 2 * ALPHA + seconds
+    return pd.DataFrame(rows)
+
+
+def moved(link: cm.LinkModel) -> tuple[float, float]:
+    return abs(link.alpha_s / ALPHA - 1), abs(link.beta_s_per_byte / BETA - 1)
+
+
+def test_planted_outlier_repeats_are_dropped_and_do_not_move_the_fit():
+    df = repeat_sweep()
+    planted = df["repeat"].isin([4, 9]) | ((df["repeat"] == 2) & (df["bytes"] == 1024))
+    df.loc[df["repeat"].isin([4, 9]), "seconds"] *= 3  # two rounds under a burst of load, every size 3x
+    df.loc[(df["repeat"] == 2) & (df["bytes"] == 1024), "seconds"] *= 10  # and one scheduler hiccup
+    marked = collectives.mark_outliers(df)
+    truth = df[df["rank"] == 0].set_index(["bytes", "repeat"]).index.isin(
+        df[planted & (df["rank"] == 0)].set_index(["bytes", "repeat"]).index)
+    assert (marked.set_index(["bytes", "repeat"]).loc[df[df["rank"] == 0].set_index(["bytes", "repeat"]).index,
+                                                     "outlier"].to_numpy() == truth).all()  # those, and only those
+    link = cm.calibrate(df)
+    assert max(moved(link)) < TOLERANCE
+    assert (link.points, link.repeats, link.dropped) == (8, 120, 17)
+    plain = cm.calibrate(df, robust=False)  # every repeat kept, the mean per size, ordinary least squares
+    assert min(moved(plain)) > 4 * TOLERANCE
+    assert cm.calibrate(collectives.size_medians(df), draws=0).alpha_s == pytest.approx(link.alpha_s)
+
+
+def test_interleaving_spreads_a_load_burst_over_the_sizes():
+    """A 150 ms burst of load (3x) at the start of a sweep. Run size after size (the old layout), it covers every
+    repeat of the smallest sizes -- no median can help, and alpha moves; interleaved (``sweep_plan``), it covers
+    about two rounds: a few repeats of each size, which the outlier rule drops."""
+    sizes, repeats = list(collectives.CALIBRATION_SIZES), 25
+    size_after_size = [(rep, "all_reduce", s) for s in sizes for rep in range(repeats)]
+    for order, holds in ((None, True), (size_after_size, False)):
+        df = repeat_sweep(repeats=repeats, sizes=sizes, order=order)
+        df.loc[df["start_s"] < 0.150, "seconds"] *= 3
+        assert (max(moved(cm.calibrate(df, draws=0))) < TOLERANCE) is holds
+
+
+def test_the_spread_is_reported_and_grows_with_the_noise():
+    exact = cm.calibrate(repeat_sweep(noise=0.0))
+    assert exact.alpha_range_s == pytest.approx((ALPHA, ALPHA), rel=1e-6)
+    quiet, noisy = cm.calibrate(repeat_sweep(noise=0.02)), cm.calibrate(repeat_sweep(noise=0.10))
+    for link in (quiet, noisy):
+        lo, hi = link.alpha_range_s
+        assert lo <= link.alpha_s <= hi and lo < ALPHA * 1.05 and hi > ALPHA * 0.95
+        b_lo, b_hi = link.bandwidth_range_gbps
+        assert b_lo <= link.bandwidth_gbps <= b_hi
+        assert "bootstrap" in link.spread_method and "repeats and sizes" in link.spread_method
+        text = link.describe()
+        assert f"{lo * 1e6:.3g}-{hi * 1e6:.3g} us" in text and f"{b_lo:.3g}-{b_hi:.3g} GB/s" in text
+        assert "120 repeats" in text
+    width = [link.alpha_range_s[1] - link.alpha_range_s[0] for link in (quiet, noisy)]
+    assert width[1] > 2 * width[0]
+    assert cm.calibrate(repeat_sweep(noise=0.02)).alpha_range_s == quiet.alpha_range_s  # seeded: reproducible
+    per_size = cm.calibrate(synthetic_sweep())  # one time per size: the bootstrap runs over sizes only
+    assert per_size.spread_method.endswith("over sizes") and per_size.repeats == 0
+    assert math.isnan(cm.calibrate(synthetic_sweep(), draws=0).alpha_range_s[0])
+    assert cm.LinkModel(ALPHA, BETA).spread_text() == ""  # a link built by hand has no spread
+    slow = cm.capped(quiet, 200)  # the cap binds: beta is the cap's, without spread; alpha keeps its own
+    assert math.isnan(slow.beta_range_s_per_byte[0]) and slow.alpha_range_s == quiet.alpha_range_s
+
+
+def test_fit_frame_reduces_a_per_repeat_sweep_to_one_row_per_size():
+    df = repeat_sweep()
+    fit = cm.fit_frame(df, cm.calibrate(df, draws=0))
+    assert list(fit["bytes"]) == SIZES and (fit["repeats"] == 15).all() and "dropped" in fit.columns
+    assert fit["error"].abs().max() < 0.03
+    with pytest.raises(ValueError, match="at least 3"):
+        cm.calibrate(synthetic_sweep(sizes=SIZES[:2]))
 
 
 # -- bad input ----------------------------------------------------------------------------------------

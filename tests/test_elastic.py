@@ -11,6 +11,7 @@ from dtlab.analysis import elastic as elastic_runs
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import RankError
 from dtlab.tiers import elastic
+from dtlab.train import preflight
 
 pytestmark = pytest.mark.usefixtures("nothing_left")
 BASE = dict(world_size=2, model_size=64, steps=20, threads_per_rank=1, optimizer="adam")
@@ -111,13 +112,14 @@ def test_bad_elastic_input_fails_before_start(tmp_path):
         _cfg(faults=("meteor:3:1",))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
+    # files and folders are the preflight's to look at (dtlab.run calls it before any process starts)
     with pytest.raises(ValueError, match="is not writable"):
-        _cfg(snapshot_dir=str(blocker / "snapshots"))
+        preflight(_cfg(snapshot_dir=str(blocker / "snapshots")))
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / elastic.SNAPSHOT).write_bytes(b"not a snapshot")
     with pytest.raises(ValueError, match=f"snapshot {corrupt / elastic.SNAPSHOT} is corrupt"):
-        _cfg(snapshot_dir=str(corrupt))
+        preflight(_cfg(snapshot_dir=str(corrupt)))
     with pytest.raises(ValueError, match="join_at_step"):
         _cfg(nnodes="1:2")
 

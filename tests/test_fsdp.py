@@ -12,7 +12,7 @@ from dtlab.analysis.fsdp import comm_exposure
 from dtlab.core.models import build
 from dtlab.tiers import base
 from dtlab.tiers.fsdp import Options, shard_units
-from dtlab.train import run
+from dtlab.train import preflight, run
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 TOL = 1e-5
@@ -49,7 +49,7 @@ def single(optimizer: str, model: str = "mlp", dataset: str = "digits", lr: floa
 ])
 def test_bad_options_fail_before_launch(options, field):
     with pytest.raises(ValueError, match=f"fsdp tier_options.{field}="):
-        job("sgd", tier="fsdp", world_size=2, tier_options=options)
+        preflight(job("sgd", tier="fsdp", world_size=2, tier_options=options))  # a missing file: the preflight's
 
 
 def test_units_are_the_blocks():

@@ -11,7 +11,8 @@ from torch import nn
 
 import dtlab
 from dtlab import instrument
-from dtlab.instrument import algbw, bus_factor, busbw, chrome_trace, events_frame
+from dtlab.core import comm
+from dtlab.instrument import algbw, bus_factor, busbw, chrome_trace, events_frame, recorder
 from dtlab.tiers.ddp import Options as DDPOptions
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
@@ -43,17 +44,17 @@ def known_sequence(info):
 def test_known_sequence_gives_exact_counts_and_bytes():
     out = dtlab.launch(known_sequence, 2, progress=False)
     for rank, events in enumerate(out):
-        got = [(e[instrument.OP], e[instrument.BYTES]) for e in events]
+        got = [(e[comm.OP], e[comm.BYTES]) for e in events]
         p2p = ("send", 40) if rank == 0 else ("recv", 40)
         assert got == [("all_reduce", 16), ("broadcast", 64), ("all_gather", 24), ("reduce_scatter_tensor", 40),
                        ("all_gather_into_tensor", 48), ("barrier", 0), p2p, ("all_reduce", 200),
                        ("isend", 28), ("irecv", 28)]
-        assert {e[instrument.GROUP] for e in events} == {2}
+        assert {e[comm.GROUP] for e in events} == {2}
         async_ev = events[7]
-        assert async_ev[instrument.ASYNC] and async_ev[instrument.DTYPE] == "float16"
-        assert async_ev[instrument.END] >= async_ev[instrument.START] and async_ev[instrument.WAIT] >= 0
-        assert [e[instrument.PEER] for e in events[8:]] == [1 - rank, 1 - rank]
-        assert all(e[instrument.TAG] == "batched" for e in events[8:])
+        assert async_ev[comm.ASYNC] and async_ev[comm.DTYPE] == "float16"
+        assert async_ev[comm.END] >= async_ev[comm.START] and async_ev[comm.WAIT] >= 0
+        assert [e[comm.PEER] for e in events[8:]] == [1 - rank, 1 - rank]
+        assert all(e[comm.TAG] == "batched" for e in events[8:])
 
 
 def ddp_steps(info, bucket_cap_mb, steps):
@@ -70,7 +71,7 @@ def ddp_steps(info, bucket_cap_mb, steps):
     for step in range(steps):
         rec.step = step
         ddp(torch.randn(8, 64)).sum().backward()
-        per_step.append([e[:] for e in rec.events if e[instrument.STEP] == step])
+        per_step.append([e[:] for e in rec.events if e[comm.STEP] == step])
         layouts.append(bucket_layout(ddp)["bucket_sizes_bytes"])
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     return init, per_step, grad_bytes, layouts
@@ -79,23 +80,23 @@ def ddp_steps(info, bucket_cap_mb, steps):
 def test_ddp_bucket_events_match_ddp_buckets():
     init, per_step, grad_bytes, layouts = dtlab.launch(ddp_steps, 2, args=(0.02, 3), progress=False)[0]
     # DDP's initial parameter broadcast goes through _broadcast_coalesced, not dist.broadcast
-    assert [e[instrument.OP] for e in init] == ["broadcast"] and init[0][instrument.TAG] == "broadcast_coalesced"
-    assert init[0][instrument.BYTES] == grad_bytes
+    assert [e[comm.OP] for e in init] == ["broadcast"] and init[0][comm.TAG] == "broadcast_coalesced"
+    assert init[0][comm.BYTES] == grad_bytes
     assert len(layouts[0]) == 1 and len(layouts[-1]) == 3  # one bucket, then rebuilt to 0.02 MB ones
     for events, buckets in zip(per_step, layouts):
         assert len(events) == len(buckets)
-        assert [e[instrument.BYTES] for e in events] == buckets
-        assert all(e[instrument.OP] == "all_reduce" and e[instrument.TAG].startswith("ddp_bucket:") for e in events)
-        assert sum(e[instrument.BYTES] for e in events) == grad_bytes
-        assert all(e[instrument.END] >= e[instrument.START] for e in events)
+        assert [e[comm.BYTES] for e in events] == buckets
+        assert all(e[comm.OP] == "all_reduce" and e[comm.TAG].startswith("ddp_bucket:") for e in events)
+        assert sum(e[comm.BYTES] for e in events) == grad_bytes
+        assert all(e[comm.END] >= e[comm.START] for e in events)
 
 
 def test_recorder_off_records_nothing_and_uninstall_restores_torch():
     original = dist.all_reduce
-    instrument.install()
+    recorder.install()
     assert dist.all_reduce is not original and dist.all_reduce.__dtlab_original__ is original
     assert dist.distributed_c10d.all_reduce is dist.all_reduce  # one wrapper for both names
-    instrument.uninstall()
+    recorder.uninstall()
     assert dist.all_reduce is original
 
     def plain(info):

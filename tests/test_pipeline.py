@@ -138,3 +138,16 @@ BAD = [
 def test_bad_input_names_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         job(**{"tier": "pipeline", "world_size": 2, **changes})
+
+
+def test_step_table_splits_forward_backward_and_waiting():
+    """Each stage's step row holds its own forward and backward compute; the rest of the step it waited
+    (transfers, bubble) and that is counted as comm: the columns add up to the step."""
+    result = pipelined(job("sgd"), "gpipe", 4)
+    steps = result.steps_frame()
+    steady = steps[steps["step"] >= 1]
+    assert (steady["forward"] > 0).all() and (steady["backward"] > 0).all()
+    parts = steady[["data", "forward", "backward", "comm", "optimizer"]].sum(axis=1)
+    assert ((parts - steady["total"]).abs() <= 0.05 * steady["total"] + 2e-4).all()
+    # the first stage waits for the last stage's backward in every step: it has a bubble
+    assert steady.loc[steady["rank"] == 0, "comm"].median() > 0

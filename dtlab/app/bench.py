@@ -25,7 +25,8 @@ RESULT = re.compile(r"^(?P<name>[\w.]+): measured (?P<value>[-\d.e+naninf]+) \(t
 def scripts(only: list[str] | None = None) -> list[Path]:
     if not BENCH_DIR.is_dir():
         raise ValueError(f"no benchmarks folder at {BENCH_DIR}: run from a dtlab checkout")
-    found = sorted(p for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_") and p.stem != "plain_ddp_script")
+    # plain_*_script.py are the baselines that the *_vs_script benchmarks start under torchrun, not benchmarks
+    found = sorted(p for p in BENCH_DIR.glob("*.py") if not p.name.startswith(("_", "plain_")))
     if only:
         unknown = sorted(set(only) - {p.stem for p in found})
         if unknown:

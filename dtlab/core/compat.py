@@ -50,7 +50,17 @@ def ddp_bucket_sizes(model: Any) -> list[int]:
         buckets = model.reducer._get_zeros_like_grad_buckets()
     except AttributeError as exc:
         raise _missing("DistributedDataParallel.reducer._get_zeros_like_grad_buckets", exc) from None
-    return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
+    return [int(b.buffer().numel() * b.buffer().element_size()) for b in buckets]
+
+
+# -- DataParallel ----------------------------------------------------------------------------
+def replicate_for_data_parallel(module: Any) -> Any:
+    """A shallow replica of one module, as ``nn.parallel.replicate`` makes them
+    (``Module._replicate_for_data_parallel``); the caller fills in children and parameters."""
+    try:
+        return module._replicate_for_data_parallel()
+    except AttributeError as exc:
+        raise _missing("torch.nn.Module._replicate_for_data_parallel", exc) from None
 
 
 # -- FSDP2 -----------------------------------------------------------------------------------

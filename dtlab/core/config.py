@@ -45,6 +45,23 @@ def resolve_import_path(path: str) -> Callable[..., Any]:
     return obj
 
 
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_slow_rank(text: str) -> tuple[int, float]:
+    """``"1:5ms"`` -> (1, 0.005): the rank and its extra seconds of compute per step."""
+    rank, sep, delay = str(text).partition(":")
+    unit = next((u for u in ("us", "ms", "s") if delay.endswith(u)), "")
+    try:
+        value, who = float(delay[: len(delay) - len(unit)]) * _UNITS.get(unit, 0.0), int(rank)
+    except ValueError:
+        value, who = -1.0, -1
+    if not sep or not unit or who < 0 or not 0 < value <= 60:
+        raise ValueError(f"RunConfig.slow_rank={text!r} is invalid: write RANK:DELAY with DELAY in us, ms or s "
+                         f"(at most 60 s), e.g. '1:5ms'")
+    return who, value
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A training job. Tier-specific knobs live in ``tier_options``.
@@ -71,6 +88,8 @@ class RunConfig:
     device: str = "auto"
     threads_per_rank: int = 0  # 0: the machine's cores divided among the ranks
     timeout_s: float = 60.0
+    # "RANK:DELAY" (e.g. "1:5ms"): that rank computes DELAY longer every step, a straggler for teaching
+    slow_rank: str = ""
     tier_options: Any = None
 
     def __post_init__(self) -> None:
@@ -116,6 +135,10 @@ class RunConfig:
             _fail("threads_per_rank", self.threads_per_rank, "must be an integer >= 0 (0 = automatic)")
         if not self.timeout_s > 0:
             _fail("timeout_s", self.timeout_s, "must be > 0 seconds")
+        if self.slow_rank:
+            rank, _ = parse_slow_rank(self.slow_rank)
+            if rank >= self.world_size:
+                _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         spec = registry.get(self.tier)
         if self.tier_options is None:
             object.__setattr__(self, "tier_options", spec.options())

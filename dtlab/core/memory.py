@@ -71,7 +71,12 @@ class SavedActivations:
 
 
 def peak_process_bytes(device: torch.device) -> dict[str, int]:
+    """The process's peak resident memory; on CUDA also the caching allocator's own figures: bytes in
+    tensors now and at the peak, and bytes it holds from the device (reserved) now and at the peak."""
     out = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
     if device.type == "cuda":
-        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+        out.update(cuda_allocated=torch.cuda.memory_allocated(device),
+                   cuda_max_allocated=torch.cuda.max_memory_allocated(device),
+                   cuda_reserved=torch.cuda.memory_reserved(device),
+                   cuda_max_reserved=torch.cuda.max_memory_reserved(device))
     return out

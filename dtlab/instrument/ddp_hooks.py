@@ -17,7 +17,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from dtlab.core.comm import END, TAG
 from dtlab.core.compat import default_group
-from dtlab.instrument.recorder import active, dtype_name, group_size, tensor_nbytes
+from dtlab.instrument.calls import dtype_name, tensor_nbytes
+from dtlab.instrument.recorder import active, group_size
 
 
 # -- DDP ---------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def recording_hook(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any
         if rec is None:
             return inner(state, bucket)
         before = len(rec.events)
-        start = time.perf_counter()
+        start = rec.now()
         previous, rec.tag = rec.tag, f"ddp_bucket:{bucket.index()}"
         try:
             fut = inner(state, bucket)
@@ -68,7 +69,7 @@ def allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP rejects
     group = process_group if process_group is not None else default_group()
     buf.div_(group.size())
     all_reduce = getattr(c10d.all_reduce, "__dtlab_original__", c10d.all_reduce)  # recorded here, not twice
-    start = time.perf_counter()
+    start = rec.now() if rec is not None else 0.0
     work = all_reduce(buf, group=group, async_op=True)
     if rec is None:
         return work.get_future().then(lambda fut: fut.value()[0])

@@ -15,70 +15,23 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dtlab.core.comm import END, FIELDS, TAG, WAIT, events_frame
-
-
-def tensor_nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_nbytes(o) for o in obj)
-    return 0
-
-
-def dtype_name(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return str(obj.dtype).removeprefix("torch.")
-    if isinstance(obj, (list, tuple)) and obj:
-        return dtype_name(obj[0])
-    return ""
-
-
-def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else default
-
-
-# How to read (bytes, peer) from each wrapped function's arguments. The size
-# convention is nccl-tests': all_gather counts the gathered output,
-# reduce_scatter the full input.
-_SIZE_RULES: dict[str, Callable[[tuple, dict], tuple[Any, Any]]] = {
-    "all_reduce": lambda a, k: (_arg(a, k, 0, "tensor"), None),
-    "broadcast": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src")),
-    "reduce": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst")),
-    "all_gather": lambda a, k: (_arg(a, k, 0, "tensor_list"), None),
-    "all_gather_into_tensor": lambda a, k: (_arg(a, k, 0, "output_tensor"), None),
-    "reduce_scatter": lambda a, k: (_arg(a, k, 1, "input_list"), None),
-    "reduce_scatter_tensor": lambda a, k: (_arg(a, k, 1, "input"), None),
-    "all_to_all": lambda a, k: (_arg(a, k, 1, "input_tensor_list"), None),
-    "all_to_all_single": lambda a, k: (_arg(a, k, 1, "input"), None),
-    "gather": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "dst")),
-    "scatter": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "src")),
-    "barrier": lambda a, k: (None, None),
-    # pipelining passes group_dst/group_src (ranks within the group; global ones for the default group)
-    "send": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst", k.get("group_dst"))),
-    "recv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", k.get("group_src"))),
-    "isend": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "dst", k.get("group_dst"))),
-    "irecv": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", k.get("group_src"))),
-}
-# Positions of the ``group`` and ``async_op`` arguments (None: not taken).
-_GROUP_ASYNC_POS: dict[str, tuple[int, int | None]] = {
-    "all_reduce": (2, 3), "broadcast": (2, 3), "reduce": (3, 4), "all_gather": (2, 3),
-    "all_gather_into_tensor": (2, 3), "reduce_scatter": (3, 4), "reduce_scatter_tensor": (3, 4),
-    "all_to_all": (2, 3), "all_to_all_single": (4, 5), "gather": (3, 4), "scatter": (3, 4),
-    "barrier": (0, 1), "send": (2, None), "recv": (2, None), "isend": (2, None), "irecv": (2, None),
-}
-_ALWAYS_ASYNC = {"isend", "irecv"}
-OP_CODES = {name: i + 1 for i, name in enumerate([*_SIZE_RULES, "broadcast_coalesced", "batch_isend_irecv", "wait"])}
-OP_NAMES = {code: name for name, code in OP_CODES.items()}
+from dtlab.core.comm import END, FIELDS, START, TAG, WAIT, events_frame
+from dtlab.core.timing import StepClock
+from dtlab.instrument.calls import (
+    ALWAYS_ASYNC,
+    GROUP_ASYNC_POS,
+    OP_CODES,
+    SIZE_RULES,
+    arg,
+    dtype_name,
+    tensor_nbytes,
+)
 
 _active: CommRecorder | None = None
 _originals: dict[tuple[Any, str], Callable[..., Any]] = {}
@@ -96,9 +49,9 @@ class _RecordedWork:
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         rec = self._recorder
         rec._enter(OP_CODES["wait"])
-        t0 = time.perf_counter()
+        t0 = rec.now()
         result = self._work.wait(*args, **kwargs)
-        t1 = time.perf_counter()
+        t1 = rec.now()  # on CUDA: where the stream is once it waits for the op (see dtlab.core.timing)
         rec._leave()
         ev = self._event
         ev[WAIT] += t1 - t0
@@ -131,6 +84,7 @@ class CommRecorder:
         if live is not None:
             live[4] = -1
         self.clock_offset = time.time() - time.perf_counter()
+        self.clock: StepClock | None = None  # set by the training loop on CUDA, where CPU time is launch time
 
     @property
     def step(self) -> int:
@@ -169,11 +123,11 @@ class CommRecorder:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a compute phase (forward, backward, ...) for the timeline."""
-        t0 = time.perf_counter()
+        t0 = self.now()
         try:
             yield
         finally:
-            self.phases.append((name, t0, time.perf_counter(), self.step))
+            self.phases.append((name, t0, self.now(), self.step))
 
     @contextlib.contextmanager
     def tagged(self, tag: str) -> Iterator[None]:
@@ -182,6 +136,21 @@ class CommRecorder:
             yield
         finally:
             self.tag = previous
+
+    def now(self) -> float:
+        """A timestamp: ``time.perf_counter()``, or on CUDA a mark of the step's clock (resolved after it)."""
+        return self.clock.mark() if self.clock is not None else time.perf_counter()
+
+    def retime(self, times: dict[float, float], events_from: int = 0, phases_from: int = 0) -> None:
+        """Move timestamps taken since these positions to the device's clock (``StepClock.resolve``)."""
+        if not times:
+            return
+        for ev in self.events[events_from:]:
+            ev[START] = times.get(ev[START], ev[START])
+            if ev[END] is not None:
+                ev[END] = times.get(ev[END], ev[END])
+        self.phases[phases_from:] = [(n, times.get(a, a), times.get(b, b), s) for n, a, b, s in
+                                     self.phases[phases_from:]]
 
     # -- recording -------------------------------------------------------------
     def _enter(self, code: int) -> None:
@@ -253,10 +222,10 @@ def _watch_completion(work: Any, event: list) -> None:
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    rule = _SIZE_RULES[name]
+    rule = SIZE_RULES[name]
     code = OP_CODES[name]
-    always_async = name in _ALWAYS_ASYNC
-    group_pos, async_pos = _GROUP_ASYNC_POS[name]
+    always_async = name in ALWAYS_ASYNC
+    group_pos, async_pos = GROUP_ASYNC_POS[name]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -265,17 +234,17 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         payload, peer = rule(args, kwargs)
         is_async = always_async or bool(
-            async_pos is not None and _arg(args, kwargs, async_pos, "async_op", False))
-        size = group_size(_arg(args, kwargs, group_pos, "group"))
+            async_pos is not None and arg(args, kwargs, async_pos, "async_op", False))
+        size = group_size(arg(args, kwargs, group_pos, "group"))
         rec._enter(code)
-        start = time.perf_counter()
+        start = rec.now()
         rec.suppressed = True  # torch implements some ops with others (send is isend + wait): count once
         try:
             work = fn(*args, **kwargs)
         finally:
             rec.suppressed = False
         rec._leave()  # not reached on an exception: the op stays "in flight" for the launcher's report
-        end = None if is_async else time.perf_counter()
+        end = None if is_async else rec.now()
         ev = rec.add(name, tensor_nbytes(payload), dtype_name(payload), size, peer, start, end, is_async)
         if is_async and work is not None:
             _watch_completion(work, ev)
@@ -294,7 +263,7 @@ def _wrap_broadcast_coalesced(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(process_group, tensors, *args, **kwargs)
         src = args[1] if len(args) > 1 else kwargs.get("src", 0)
         rec._enter(OP_CODES["broadcast_coalesced"])
-        start = time.perf_counter()
+        start = rec.now()
         rec.suppressed = True
         try:
             return fn(process_group, tensors, *args, **kwargs)
@@ -302,7 +271,7 @@ def _wrap_broadcast_coalesced(fn: Callable[..., Any]) -> Callable[..., Any]:
             rec.suppressed = False
             rec._leave()
             rec.add("broadcast", tensor_nbytes(list(tensors)), dtype_name(list(tensors)), process_group.size(), src,
-                    start, time.perf_counter(), False)[TAG] = rec.tag or "broadcast_coalesced"
+                    start, rec.now(), False)[TAG] = rec.tag or "broadcast_coalesced"
 
     wrapper.__dtlab_original__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -315,7 +284,7 @@ def _wrap_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
         if rec is None or rec.suppressed:
             return fn(p2p_op_list)
         rec._enter(OP_CODES["batch_isend_irecv"])
-        start = time.perf_counter()
+        start = rec.now()
         rec.suppressed = True  # the isend/irecv it issues are recorded below, once
         try:
             works = fn(p2p_op_list)
@@ -359,7 +328,7 @@ def install() -> None:
         if _originals:
             return
         makers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-            name: functools.partial(_wrap, name) for name in _SIZE_RULES
+            name: functools.partial(_wrap, name) for name in SIZE_RULES
         }
         makers["_broadcast_coalesced"] = _wrap_broadcast_coalesced
         makers["batch_isend_irecv"] = _wrap_batch_isend_irecv

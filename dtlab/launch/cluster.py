@@ -24,7 +24,7 @@ from pathlib import Path
 from dtlab.core import events
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RunResult, atomic_write
-from dtlab.launch import worker
+from dtlab.launch import workdir as workdir_files
 from dtlab.launch.torchrun import load_results, result_paths, torchrun_command
 
 __all__ = ["SBATCH", "TIERS", "ClusterPlan", "check", "collect", "plan", "write"]
@@ -41,7 +41,8 @@ SBATCH = "dtlab.sbatch"
 SNAPSHOTS = "snapshots"  # the elastic tier's snapshot directory inside WORKDIR, unless its options name one
 # What a run leaves in WORKDIR. write() removes a previous run's so that collect() never mixes two runs,
 # and a leftover launch_torchrun payload, which the worker would run instead of config.json.
-_STALE = (worker.PAYLOAD, events.EVENTS, worker.progress_path(Path()).name, "result-rank*.pkl", "error-rank*.json")
+_STALE = (workdir_files.PAYLOAD, events.EVENTS, workdir_files.progress_path(Path()).name, "result-rank*.pkl",
+          "error-rank*.json")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class ClusterPlan:
 
     @property
     def config_path(self) -> Path:
-        return self.workdir / worker.CONFIG
+        return self.workdir / workdir_files.CONFIG
 
     @property
     def sbatch_path(self) -> Path:
@@ -225,10 +226,10 @@ def collect(workdir: str | os.PathLike[str]) -> RunResult:
     Raises FileNotFoundError naming WORKDIR and the ranks whose results are missing.
     """
     work = Path(workdir)
-    if not (work / worker.CONFIG).is_file():
-        raise FileNotFoundError(f"{work} holds no {worker.CONFIG}: not a dtlab cluster directory "
+    if not (work / workdir_files.CONFIG).is_file():
+        raise FileNotFoundError(f"{work} holds no {workdir_files.CONFIG}: not a dtlab cluster directory "
                                 f"(python -m dtlab cluster ... --workdir {work} writes one)")
-    cfg = worker.read_config(work)
+    cfg = workdir_files.read_config(work)
     paths = result_paths(work)
     missing = [r for r in range(cfg.world_size) if r not in paths]
     if missing:

@@ -34,7 +34,7 @@ import cloudpickle
 import numpy as np
 
 from dtlab.core.failures import OpState, RankFailure
-from dtlab.instrument.recorder import OP_NAMES
+from dtlab.instrument.calls import OP_NAMES
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 from dtlab.launch.rank import LIVE_SLOTS, rank_main
 

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from dtlab.core.compat import set_rpc_timeout, tensorpipe_options
 from dtlab.core.net import LOOPBACK, interface_for, warn_if_exposed
 from dtlab.instrument.rpc import RpcRecorder, RpcWorker, events_frame, install, set_current
 from dtlab.launch.contract import LaunchResult, Progress
@@ -63,11 +64,10 @@ def _worker_main(info: Any, fn: Callable[..., Any], names: tuple[str, ...], rpc_
     set_current(worker)
     if record:
         recorder.start()
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"dtlab://{LOOPBACK}:{os.environ['MASTER_PORT']}", rpc_timeout=max(rpc_timeout_s, _INIT_TIMEOUT_S),
-        _transports=["uv"], _channels=["basic"])
+    options = tensorpipe_options(f"dtlab://{LOOPBACK}:{os.environ['MASTER_PORT']}",
+                                 max(rpc_timeout_s, _INIT_TIMEOUT_S))
     rpc.init_rpc(names[info.rank], rank=info.rank, world_size=len(names), rpc_backend_options=options)
-    rpc._set_rpc_timeout(rpc_timeout_s)
+    set_rpc_timeout(rpc_timeout_s)
     try:
         value = fn(worker, *args)
     finally:

@@ -33,7 +33,7 @@ import psutil
 
 from dtlab.core import events
 from dtlab.core.failures import RankFailure
-from dtlab.launch import worker
+from dtlab.launch import workdir as workdir_files
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 
 # torchrun's failure report: one block per failed rank, "Root Cause" (its first observed failure) last.
@@ -174,7 +174,7 @@ def _write_payload(work: Path, fn: Callable[..., Any], args: tuple, options: Lau
         payload = cloudpickle.dumps((fn, tuple(args), options.for_ranks()))
     except Exception as exc:
         raise ValueError(f"cannot send {fn!r} or its arguments to the ranks: {exc}") from exc
-    (work / worker.PAYLOAD).write_bytes(payload)
+    (work / workdir_files.PAYLOAD).write_bytes(payload)
 
 
 def _node_commands(work: Path, nodes: list[Node], nproc_per_node: int, nnodes: str, max_restarts: int,
@@ -313,7 +313,7 @@ class _Relay:
     """Forwards rank 0's progress lines to the bar and remembers the furthest step reported."""
 
     def __init__(self, workdir: Path, bar: ProgressBar) -> None:
-        self.path, self.bar, self.seen, self.max_step = worker.progress_path(workdir), bar, 0, 0
+        self.path, self.bar, self.seen, self.max_step = workdir_files.progress_path(workdir), bar, 0, 0
 
     def poll(self) -> None:
         if not self.path.exists():

@@ -26,34 +26,16 @@ from typing import Any
 import cloudpickle
 
 from dtlab.core import progress
-from dtlab.core.config import RunConfig, resolve_import_path
+from dtlab.core.config import resolve_import_path
 from dtlab.core.env import DistInfo
 from dtlab.core.events import WORKDIR_ENV, emit
 from dtlab.core.results import atomic_write
 from dtlab.launch.contract import RankOptions
 from dtlab.launch.rank import call_recorded
+from dtlab.launch.workdir import CONFIG, PAYLOAD, error_path, progress_path, read_config, result_path
 
-PAYLOAD = "payload.pkl"
-CONFIG = "config.json"
 # What a config.json job runs on each rank. Named, not imported: the training loop sits above launch.
 TRAIN_ENTRY = "dtlab.train.loop:train"
-
-
-def result_path(workdir: Path, rank: int) -> Path:
-    return workdir / f"result-rank{rank}.pkl"
-
-
-def error_path(workdir: Path, rank: int) -> Path:
-    return workdir / f"error-rank{rank}.json"
-
-
-def progress_path(workdir: Path) -> Path:
-    return workdir / "progress.jsonl"
-
-
-def read_config(workdir: Path) -> RunConfig:
-    """The RunConfig in WORKDIR/config.json (a cluster job, see ``dtlab.launch.cluster``)."""
-    return RunConfig.from_dict(json.loads((workdir / CONFIG).read_text()))
 
 
 def _load(workdir: Path) -> tuple[Any, tuple, RankOptions]:

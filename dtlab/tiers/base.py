@@ -65,6 +65,10 @@ class Strategy:
         """
         raise NotImplementedError
 
+    def split_step(self, seconds: float) -> dict[str, float]:
+        """How a ``run_step`` of ``seconds`` divides into forward, backward and comm (waiting for peers)."""
+        return {"forward": seconds, "backward": 0.0, "comm": 0.0}
+
     def on_step_start(self, step: int) -> None:
         """Before step ``step`` (0-based) reads its batch."""
 

@@ -3,8 +3,9 @@
 DDP registers autograd hooks that put gradients into buckets of
 ``bucket_cap_mb`` and all-reduce each bucket as soon as it is full, while
 backward is still computing the rest. A comm hook decides how a bucket is
-reduced (plain all-reduce, fp16/bf16 compression, PowerSGD); dtlab wraps it
-so that the CommRecorder sees every bucket.
+reduced (plain all-reduce, fp16/bf16 compression, PowerSGD). A run that
+records registers a hook that also records each bucket; one that does not
+keeps DDP's built-in C++ all-reduce, so its step times are DDP's own.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.core.compat import ddp_bucket_sizes
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.ddp_hooks import allreduce_hook, recording_hook
+from dtlab.instrument.recorder import active
 from dtlab.tiers import base, checkpoint
 from dtlab.tiers.syncbn import convert_sync_batchnorm
 
@@ -78,8 +81,8 @@ def preflight(cfg: RunConfig) -> None:
     checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
 
 
-def comm_hook(options: Options) -> tuple[Any, Any]:
-    """The (state, hook) pair DDP registers for ``options.comm_hook``."""
+def comm_hook(options: BucketOptions) -> tuple[Any, Any]:
+    """The (state, hook) pair DDP registers for ``options.comm_hook``; (None, None) for DDP's built-in all-reduce."""
     if options.comm_hook == "fp16":
         return None, default_hooks.fp16_compress_hook
     if options.comm_hook == "bf16":
@@ -89,7 +92,7 @@ def comm_hook(options: Options) -> tuple[Any, Any]:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.powersgd_rank,
                                             start_powerSGD_iter=2, random_seed=0)
         return state, powerSGD_hook.powerSGD_hook
-    return None, allreduce_hook
+    return None, None
 
 
 class Strategy(base.Strategy):
@@ -118,8 +121,11 @@ class Strategy(base.Strategy):
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
         state, hook = comm_hook(self.options)
-        # dtlab's allreduce_hook records itself; the library's hooks are wrapped.
-        self.ddp.register_comm_hook(state, hook if hook is allreduce_hook else recording_hook(hook))
+        if active() is not None:  # recording: see each bucket (the hooks below record themselves)
+            self.ddp.register_comm_hook(state, allreduce_hook if hook is None else recording_hook(hook))
+        elif hook is not None:
+            self.ddp.register_comm_hook(state, hook)
+        # Otherwise DDP's own C++ all-reduce: a Python hook would take the GIL in the reducer's thread per bucket.
         return self.ddp
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
@@ -147,13 +153,10 @@ class Strategy(base.Strategy):
 def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
     """DDP's current buckets: ``num_buckets`` and ``bucket_sizes_bytes``, a list of ints in gradient-ready order.
 
-    DDP's logging data keeps the first layout only; after the first step DDP
-    rebuilds buckets in gradient-ready order, so ask the reducer. The sizes stay
-    a list of ints from here on: in RankResult.strategy, result.json (a JSON
-    array) and the cost model's run numbers.
+    The sizes stay a list of ints from here on: in RankResult.strategy,
+    result.json (a JSON array) and the cost model's run numbers.
     """
-    sizes: list[int] = [int(b.buffer().numel() * b.buffer().element_size())
-                        for b in model.reducer._get_zeros_like_grad_buckets()]
+    sizes = ddp_bucket_sizes(model)  # the reducer's current layout (see dtlab.core.compat)
     return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes}
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtlab.core.compat import replicate_for_data_parallel
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import active
@@ -52,7 +53,7 @@ def _replicate(master: nn.Module, replicas: int) -> list[nn.Module]:
     modules = list(master.modules())
     out = []
     for r in range(replicas):
-        copies = {id(m): m._replicate_for_data_parallel() for m in modules}
+        copies = {id(m): replicate_for_data_parallel(m) for m in modules}
         for m in modules:
             rep = copies[id(m)]
             for name, child in m._modules.items():

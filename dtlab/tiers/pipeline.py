@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,18 +121,31 @@ def split_model(model: nn.Module, stages: int, depth: int) -> list[nn.Module]:
 
 
 class _TimedStage(PipelineStage):
-    """Records each micro-batch's forward and backward as phases; ``offset`` numbers the naive
-    schedule's micro-batches (each of its one-micro-batch schedules calls its own 0)."""
+    """Records each micro-batch's forward and backward as phases, and sums their seconds per step
+    (``compute_s``, reset by the strategy); ``offset`` numbers the naive schedule's micro-batches
+    (each of its one-micro-batch schedules calls its own 0)."""
 
     offset = 0
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compute_s = {"forward": 0.0, "backward": 0.0}
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with _phase(f"pp_forward:{fwd_chunk_id + self.offset}"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            with _phase(f"pp_forward:{fwd_chunk_id + self.offset}"):
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.compute_s["forward"] += time.perf_counter() - start
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with _phase(f"pp_backward:{bwd_chunk_id + self.offset}"):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            with _phase(f"pp_backward:{bwd_chunk_id + self.offset}"):
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self.compute_s["backward"] += time.perf_counter() - start
 
 
 def _phase(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -191,6 +205,7 @@ class Strategy(base.Strategy):
         return losses
 
     def run_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.pp_stage.compute_s = {"forward": 0.0, "backward": 0.0}
         m = self.options.microbatches
         if self.options.schedule == "naive":
             # One one-micro-batch schedule per micro-batch: the next starts only when the last is back.
@@ -204,6 +219,13 @@ class Strategy(base.Strategy):
         if not self.last:
             return torch.tensor(float("nan"))
         return torch.stack([loss.detach() for loss in losses]).mean()  # mean of equal-sized means
+
+    def split_step(self, seconds: float) -> dict[str, float]:
+        """This stage's forward and backward compute over all micro-batches; the rest of the step it
+        waited: for transfers and in the bubble (counted as communication)."""
+        parts = dict(self.pp_stage.compute_s)
+        parts["comm"] = max(0.0, seconds - parts["forward"] - parts["backward"])
+        return parts
 
     def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         state = self._gather_state()

@@ -81,6 +81,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.world_size > MAX_TRAINERS:
         raise ValueError(f"RunConfig.world_size={cfg.world_size} is invalid for tier 'rpc': it is the number of "
                          f"trainers, at most {MAX_TRAINERS}")
+    if cfg.slow_rank:
+        raise ValueError(f"RunConfig.slow_rank={cfg.slow_rank!r} is invalid for tier 'rpc': its trainers run their own "
+                         f"loop; straggle a data-parallel tier instead")
     if cfg.device == "cuda" or cfg.backend == "nccl":
         raise ValueError("tier 'rpc' keeps the model on the parameter server's CPU: use device='cpu' or 'auto' "
                          "and backend 'gloo' or 'auto'")

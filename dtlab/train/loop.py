@@ -13,7 +13,7 @@ import torch
 
 from dtlab.core import data as datasets
 from dtlab.core import models, registry
-from dtlab.core.config import RunConfig
+from dtlab.core.config import RunConfig, parse_slow_rank
 from dtlab.core.env import DistInfo
 from dtlab.core.job import build_job, optimizer_factory
 from dtlab.core.memory import (
@@ -25,6 +25,7 @@ from dtlab.core.memory import (
 )
 from dtlab.core.progress import report
 from dtlab.core.results import RankResult, params_to_bytes, provenance
+from dtlab.core.timing import StepClock
 from dtlab.instrument.recorder import CommRecorder, active
 from dtlab.tiers.base import Strategy
 
@@ -46,6 +47,10 @@ class _Loop:
                                                strategy.data_world, cfg.seed)
         self.steps: list[dict[str, float]] = []
         self.phases = recorder.phases
+        self.clock = StepClock(info.device)
+        recorder.clock = self.clock if self.clock.cuda else None  # its events on the GPU's clock too
+        slow, delay = parse_slow_rank(cfg.slow_rank) if cfg.slow_rank else (-1, 0.0)
+        self.delay_s = delay if slow == info.rank else 0.0  # this rank's extra compute per step (a straggler)
 
     def run(self) -> None:
         last_report = 0.0
@@ -63,59 +68,80 @@ class _Loop:
         self.recorder.step = self.cfg.steps
 
     def step(self, step: int) -> dict[str, float]:
-        clock, strategy, model = time.perf_counter, self.strategy, self.model
-        t0 = clock()
+        mark, strategy, model = self.clock.mark, self.strategy, self.model
+        first_event, first_phase = len(self.recorder.events), len(self.phases)
+        t0 = mark()
         idx = self.batches.indices(step)
         x, y = self.data.train_x[idx].to(self.info.device), self.data.train_y[idx].to(self.info.device)
-        t_data = clock()
+        t_data = mark()
         self.phases.append(("data", t0, t_data, step))
         if strategy.custom_step:  # e.g. a pipeline schedule: forward and backward interleave
+            self.straggle()
             step_loss = strategy.run_step(model, x, y)
-            t_fb = clock()
-            self.phases.append(("forward_backward", t_data, t_fb, step))
-            forward, backward = t_fb - t_data, 0.0
+            self.phases.append(("forward_backward", t_data, mark(), step))
         else:
-            step_loss, forward, backward = self.forward_backward(step, x, y)
-        a = clock()
+            step_loss = self.forward_backward(step, x, y)
+        a = mark()
         strategy.sync_gradients(model)
-        b = clock()
+        b = mark()
         if step == self.start:  # the first step is warm-up, left out of the medians: accounting costs nothing there
             self.memory["gradients"] = gradient_bytes(strategy.unwrap(model))
-        o = clock()
+        o = mark()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        c = clock()
-        self.phases += [("comm", a, b, step), ("optimizer", o, c, step)]
+        self.phases += [("comm", a, b, step), ("optimizer", o, mark(), step)]
+        # On CUDA the marks become the GPU's times here, once per step (a no-op on the CPU).
+        self.recorder.retime(self.clock.resolve(), first_event, first_phase)
         if step == self.start:
             self.memory["optimizer_state"] = optimizer_state_bytes(self.optimizer)
         # NaN on ranks that compute no loss (early pipeline stages)
-        return {"step": step, "loss": float(step_loss), "samples": len(idx), "data": t_data - t0,
-                "forward": forward, "backward": backward, "comm": b - a, "optimizer": c - o, "total": c - t0}
+        return {"step": step, "loss": float(step_loss), "samples": len(idx), **self.step_times(first_phase)}
 
-    def forward_backward(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    def step_times(self, first_phase: int) -> dict[str, float]:
+        """The step's seconds per phase, from the phases it recorded (so on CUDA, the GPU's)."""
+        spans = self.phases[first_phase:]
+        seconds = dict.fromkeys(("data", "forward", "backward", "comm", "optimizer", "forward_backward"), 0.0)
+        for name, start, end, _ in spans:
+            if name in seconds:
+                seconds[name] += end - start
+        joint = seconds.pop("forward_backward")
+        if self.strategy.custom_step:
+            parts = self.strategy.split_step(joint)
+            seconds["forward"], seconds["backward"] = parts["forward"], parts["backward"]
+            seconds["comm"] += parts["comm"]  # what the schedule waited: transfers and bubble
+        step_spans = [(start, end) for name, start, end, _ in spans if name in ("data", "optimizer")]
+        seconds["total"] = max(e for _, e in step_spans) - min(s for s, _ in step_spans)
+        return seconds
+
+    def forward_backward(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the step's micro-batches; all but the last under ``no_sync``."""
-        clock, strategy, model = time.perf_counter, self.strategy, self.model
+        mark, strategy, model = self.clock.mark, self.strategy, self.model
         accum = strategy.accumulation_steps
         micro_batches = zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else [(x, y)]
-        forward = backward = 0.0
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=self.info.device)
         for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing():
-                a = clock()
+                a = mark()
                 with SavedActivations() if step == self.start and micro == 0 else _nothing() as acts:
                     loss = models.loss(model(xm), ym)
                     if accum > 1:
                         loss = loss / accum
+                if micro == 0:
+                    self.straggle()
                 if acts is not None:
                     self.memory["activations"] = acts.bytes(exclude=model.parameters())
-                b = clock()
+                b = mark()
                 loss.backward()
-                c = clock()
+                c = mark()
             self.phases += [("forward", a, b, step), ("backward", b, c, step)]
-            forward, backward = forward + b - a, backward + c - b
             step_loss += loss.detach()
-        return step_loss, forward, backward
+        return step_loss
+
+    def straggle(self) -> None:
+        """A slow rank's extra compute (``RunConfig.slow_rank``): it arrives late at the step's collectives."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
 
     def result(self) -> RankResult:
         self.memory.update(peak_process_bytes(self.info.device))

@@ -43,6 +43,23 @@ At ``n = 1`` every collective costs 0. At ``n = 2`` the ring and the tree
 coincide, so a calibration at world size 2 cannot tell them apart: the
 formulas above are what carries it to other ``n``.
 
+Calibration (``calibrate``) has to hold from run to run on a shared machine,
+so every step of it is robust and says how sure it is:
+
+* the sweep interleaves its repeats (each round runs every size once, in a
+  shuffled order), so a burst of load slows one round, not every repeat of
+  one size; a repeat's time is its slowest rank's;
+* per message size, repeats more than 3 scaled MADs (at least 2 % of the
+  median) slower than the size's median are dropped (``collectives.outliers``;
+  interference only adds time) and the size's time is the median of the rest;
+* the line is a Huber-weighted least-squares fit of relative residuals over
+  the sizes, which need to reach both below the latency-bandwidth crossover
+  (alpha) and well above it (beta): ``collectives.CALIBRATION_SIZES``, 1 KiB
+  to 16 MiB a factor of 2 apart;
+* the spread: a 90 % bootstrap interval for alpha and for beta (200 refits
+  on sizes drawn with replacement and, within each, its repeats), kept on
+  the ``LinkModel`` beside the RMS residual and shown by ``describe()``.
+
 ``predict_ddp_step`` turns a single-rank compute timeline and DDP's bucket
 sizes into a step time; ``measure`` and ``validate`` check it against real
 DDP runs; ``project`` extrapolates to world sizes and links this machine
@@ -62,10 +79,13 @@ from dtlab.analysis.costmodel.links import (
     ALGORITHM_NAMES,
     ALGORITHMS,
     BACKENDS,
+    BOOTSTRAP_DRAWS,
+    INTERVAL,
     OPS,
     SWEEP_COLUMNS,
     Coefficients,
     LinkModel,
+    bootstrap,
     calibrate,
     capped,
     coefficients,
@@ -106,9 +126,10 @@ from dtlab.analysis.costmodel.step import (
 )
 
 __all__ = [
-    "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
-    "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "LinkModel", "MAX_TARGET", "MEDIAN_TARGET", "MIB", "OPS",
-    "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bucket_schedule", "calibrate", "capped",
+    "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "MAX_TARGET", "MEDIAN_TARGET", "MIB",
+    "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
+    "calibrate", "capped",
     "coefficients", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links", "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "split_buckets", "summary",
     "summary_line", "timeline_frame", "validate", "validate_links",
