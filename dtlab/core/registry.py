@@ -28,7 +28,6 @@ class AgentPlan:
     network: str = "loopback"  # "loopback", "netns" or "auto" (namespaces where possible)
     link_mbit: float = 0.0  # cap of each simulated host's link (netns only); 0: uncapped
     scratch_option: str = ""  # a tier option naming a directory; "" in the job: the runner makes a temporary one
-    entry: str = "dtlab.train.loop:train"  # the function each rank runs, ``module:function``
 
     @property
     def nnodes(self) -> str:
