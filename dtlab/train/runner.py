@@ -43,7 +43,7 @@ def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forks
     setting ``stop`` from another thread ends the run (``LaunchStopped``).
     """
     spec = registry.get(cfg.tier)
-    preflight(cfg)
+    spec.preflight(cfg)  # the network is resolved (and checked) once, by _run_torchrun, before any agent starts
     if spec.launcher == "torchrun":
         return _run_torchrun(cfg, spec, progress=progress, record=record, stop=stop)
     if spec.launcher == "rpc":
