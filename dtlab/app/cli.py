@@ -40,6 +40,9 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds a collective may wait")
     p.add_argument("--slow-rank", default=d.slow_rank, metavar="RANK:DELAY",
                    help="make one rank a straggler, e.g. 1:5ms (it computes that much longer every step)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's forward in backward (less activation memory, more compute)")
+    p.add_argument("--precision", default=d.precision, help="fp32 or bf16 (autocast of the forward and loss)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a tier option, e.g. --opt bucket_cap_mb=1 (repeatable); booleans true/false, "
                    "lists comma-separated: --opt faults=sigkill:7:1,exception:12:0")
@@ -75,6 +78,7 @@ def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> Ru
         dataset_size=args.dataset_size, global_batch_size=args.batch_size, steps=args.steps, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
         threads_per_rank=args.threads, timeout_s=args.timeout, slow_rank=args.slow_rank,
+        activation_checkpointing=args.activation_checkpointing, precision=args.precision,
         tier_options=tier_options(tier, args.opt),
     )
 
@@ -250,7 +254,8 @@ FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "mo
          "model_depth": "--model-depth", "dataset": "--dataset", "dataset_size": "--dataset-size",
          "global_batch_size": "--batch-size", "steps": "--steps", "lr": "--lr", "optimizer": "--optimizer",
          "seed": "--seed", "backend": "--backend", "device": "--device", "threads_per_rank": "--threads",
-         "timeout_s": "--timeout", "slow_rank": "--slow-rank"}
+         "timeout_s": "--timeout", "slow_rank": "--slow-rank",
+         "activation_checkpointing": "--activation-checkpointing", "precision": "--precision"}
 COMMAND_FLAGS = {"compare": {"world_size": "--world-sizes", "tier": "--tiers"},
                  "cluster": {"world_size": "--nnodes x --nproc-per-node"}}
 

@@ -28,7 +28,7 @@ from dtlab import plots, tiers
 from dtlab.analysis.elastic import timeline
 from dtlab.analysis.frames import breakdown_frame
 from dtlab.core import options
-from dtlab.core.config import MODELS, RunConfig
+from dtlab.core.config import MODELS, PRECISIONS, RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.launch import netns
 from dtlab.launch.local import LaunchStopped
@@ -37,7 +37,8 @@ from dtlab.train import preflight, run
 
 FAULTS = ["none", *FAULT_KINDS]
 HISTORY = Path("results/history")
-JOB_DEFAULTS = ("tier", "world_size", "model", "model_size", "global_batch_size", "steps", "fault")
+JOB_DEFAULTS = ("tier", "world_size", "model", "model_size", "global_batch_size", "steps", "fault", "precision",
+                "activation_checkpointing")
 OPTION_STYLE = {"description_width": "170px"}
 KIND_WIDGETS = {"bool": w.Checkbox, "int": w.IntText, "float": w.FloatText}  # str and tuple: w.Text
 
@@ -110,6 +111,10 @@ class Lab:
         self.batch = w.IntText(value=defaults.get("global_batch_size", 64), description="global batch", style=style)
         self.steps = w.IntSlider(value=defaults.get("steps", 40), min=5, max=500, step=5, description="steps",
                                  style=style)
+        self.precision = w.Dropdown(options=list(PRECISIONS), value=defaults.get("precision", "fp32"),
+                                    description="precision", style=style)
+        self.recompute = w.Checkbox(value=defaults.get("activation_checkpointing", False),
+                                    description="activation checkpointing", style=style)
         # Every tier's own knobs, from its Options; only the picked tier's are shown.
         self.option_controls = {name: option_controls(tiers.get(name)) for name in tiers.TIERS}
         # The elastic tier's quick fault: one of these halfway through the run, on the last rank.
@@ -145,7 +150,8 @@ class Lab:
 
     @property
     def _job_controls(self) -> tuple[w.Widget, ...]:
-        return self.tier, self.world_size, self.model, self.model_size, self.batch, self.steps
+        return (self.tier, self.world_size, self.model, self.model_size, self.batch, self.steps, self.precision,
+                self.recompute)
 
     def _set_option_defaults(self, defaults: dict[str, Any]) -> None:
         """Keyword arguments that are options of the first tier set its controls (ValueError for unknown ones)."""
@@ -218,7 +224,8 @@ class Lab:
         return RunConfig(tier=tier, world_size=1 if tier == "single" else self.world_size.value,
                          model=self.model.value, model_size=self.model_size.value,
                          dataset="text" if text else "digits", global_batch_size=self.batch.value,
-                         steps=self.steps.value, lr=0.003 if text else 0.01, tier_options=self.tier_options(tier))
+                         steps=self.steps.value, lr=0.003 if text else 0.01, precision=self.precision.value,
+                         activation_checkpointing=self.recompute.value, tier_options=self.tier_options(tier))
 
     def _checked(self, probe: bool = False) -> RunConfig:
         """``config()``, plus what the runner would refuse here (namespaces asked for where there are none);
@@ -256,6 +263,10 @@ class Lab:
         self.fault.disabled = tier != "elastic"
         if tier != self._shown:
             self._show_options(tier)
+            models = tiers.get(tier).models
+            if models and self.model.value not in models:  # e.g. cp needs a sequence: pick a model it has
+                self.model.value = models[0]  # observed: validates again
+                return
         try:
             cfg = self._checked()
         except ValueError as exc:

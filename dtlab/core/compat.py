@@ -120,3 +120,33 @@ def tensorpipe_options(init_method: str, rpc_timeout_s: float) -> Any:
                                                _transports=["uv"], _channels=["basic"])
     except TypeError as exc:
         raise _missing("TensorPipeRpcBackendOptions(_transports=, _channels=)", exc) from None
+
+
+# -- functional collectives (DTensor) ---------------------------------------------------------
+def process_group_size(group_name: str) -> int:
+    """World size of the process group a functional collective names (``_resolve_process_group``); 0 if unknown."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return int(c10d._resolve_process_group(group_name).size())
+    except (AttributeError, RuntimeError, ValueError):
+        return 0
+
+
+def module_tracker() -> Any:
+    """torch's ``ModTracker`` (``torch.distributed._tools``, what ``CommDebugMode`` uses): which modules
+    are running, in forward and in backward. None where it is missing: events then name no module."""
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except ImportError:
+        return None
+    return ModTracker()
+
+
+# -- autograd --------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (``_current_graph_task_id``)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError as exc:
+        raise _missing("torch._C._current_graph_task_id", exc) from None

@@ -20,6 +20,7 @@ DATASETS = ("synthetic", "digits", "text")
 OPTIMIZERS = ("sgd", "adam")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16")
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -90,6 +91,9 @@ class RunConfig:
     timeout_s: float = 60.0
     # "RANK:DELAY" (e.g. "1:5ms"): that rank computes DELAY longer every step, a straggler for teaching
     slow_rank: str = ""
+    # Recompute each block's forward in backward (torch.utils.checkpoint): activation memory for compute
+    activation_checkpointing: bool = False
+    precision: str = "fp32"  # "bf16": forward and loss under autocast (bf16 matmuls, fp32 parameters)
     tier_options: Any = None
 
     def __post_init__(self) -> None:
@@ -140,11 +144,28 @@ class RunConfig:
             if rank >= self.world_size:
                 _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         spec = registry.get(self.tier)
+        self._check_compute(spec)
         if self.tier_options is None:
             object.__setattr__(self, "tier_options", spec.options())
         elif type(self.tier_options) is not spec.options:
             _fail("tier_options", self.tier_options, f"tier {self.tier!r} takes {spec.options.__module__}.Options")
         spec.validate(self)
+
+    def _check_compute(self, spec: registry.TierSpec) -> None:
+        if self.precision not in PRECISIONS:
+            _fail("precision", self.precision, f"choose one of {', '.join(PRECISIONS)}")
+        if self.precision != "fp32" and not spec.autocast:
+            _fail("precision", self.precision, f"the {self.tier} tier runs its own forward and backward: fp32 only")
+        if not isinstance(self.activation_checkpointing, bool):
+            _fail("activation_checkpointing", self.activation_checkpointing, "must be True or False")
+        if self.activation_checkpointing:
+            if not spec.activation_checkpointing:
+                able = [n for n in registry.names() if registry.get(n).activation_checkpointing]
+                _fail("activation_checkpointing", True, f"the {self.tier} tier does not run the model's blocks "
+                      f"itself; use one of {', '.join(able)}")
+            if isinstance(self.model, str) and self.model in MODELS and self.model != "charformer":
+                _fail("activation_checkpointing", True, f"model={self.model!r} has no blocks to recompute: "
+                      f"use model='charformer' (or a model with a .blocks list)")
 
     # Derived values, so that every rank computes them the same way.
     @property

@@ -25,4 +25,6 @@ def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, da
     data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth).to(device)
+    if cfg.activation_checkpointing:
+        models.checkpoint_blocks(model)
     return model, data

@@ -44,8 +44,21 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(v for state in local.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
+_counting: list[SavedActivations] = []  # the open counters (innermost last)
+
+
+def note_saved(t: torch.Tensor) -> None:
+    """Count ``t`` as kept for backward by code autograd's hooks do not see (a checkpointed block's input)."""
+    if _counting:
+        _counting[-1]._tensors.append(t)
+
+
 class SavedActivations:
-    """Counts the bytes autograd saves for backward during the forward pass."""
+    """Counts the bytes autograd saves for backward during the forward pass.
+
+    Inside an activation-checkpointed block autograd saves nothing (the block runs
+    again in backward); what the block keeps, its input, is counted through ``note_saved``.
+    """
 
     def __init__(self) -> None:
         self._tensors: list[torch.Tensor] = []
@@ -59,9 +72,11 @@ class SavedActivations:
         self._tensors.clear()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
+        _counting.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _counting.remove(self)
         self._ctx.__exit__(*exc)
 
     def bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.core.compat import in_backward
 from dtlab.core.config import resolve_import_path
 from dtlab.core.data import Dataset
+from dtlab.core.memory import note_saved
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, width: int = 64, depth: int = 2) -> nn.Module:
@@ -55,10 +58,11 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, w = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, w // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        b, t, _ = x.shape
+        # -1, not width // heads: under tensor parallelism a rank holds only its heads' columns
+        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, w))
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -111,6 +115,50 @@ def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_clas
     if not isinstance(model, nn.Module):
         raise TypeError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+class Recompute:
+    """A block's ``forward`` that keeps only its input and runs again in backward (activation checkpointing).
+
+    Stored as the block's instance attribute ``forward``, so parameter names, hooks
+    (FSDP, tensor parallelism) and the state dict stay the block's own.
+    ``seconds`` adds up the time spent recomputing, in backward.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.seconds = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        note_saved(x)
+        return checkpoint(self._run, x, use_reentrant=False)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if not in_backward():  # the first forward: not a recomputation
+            return type(self.block).forward(self.block, x)
+        t0 = time.perf_counter()
+        try:
+            return type(self.block).forward(self.block, x)
+        finally:  # checkpoint stops a recomputation early (an exception) once it has what backward needs
+            self.seconds += time.perf_counter() - t0
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Recompute each of ``model.blocks`` in backward; returns how many (ValueError if the model has none)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or not len(blocks):
+        raise ValueError(f"RunConfig.activation_checkpointing=True needs a model with a .blocks list; "
+                         f"{type(model).__name__} has none")
+    for block in blocks:
+        block.forward = Recompute(block)
+    return len(blocks)
+
+
+def recompute_seconds(model: nn.Module) -> float:
+    """Seconds spent so far recomputing checkpointed blocks."""
+    return sum(m.forward.seconds for m in model.modules() if isinstance(m.__dict__.get("forward"), Recompute))
 
 
 def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

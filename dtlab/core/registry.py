@@ -57,6 +57,11 @@ class TierSpec:
     agents: Callable[[Any], AgentPlan] | None = None
     rpc_main: Callable[..., Any] | None = None
     rpc_names: Callable[[Any], list[str]] | None = None
+    # The loop runs the model's forward (RunConfig.precision may autocast it) and the
+    # model's blocks (RunConfig.activation_checkpointing may recompute them).
+    autocast: bool = True
+    activation_checkpointing: bool = True
+    models: tuple[str, ...] = ()  # built-in models the tier can split (empty: any)
     # Options whose values the panel offers as a list (field -> choices).
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 

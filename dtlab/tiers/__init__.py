@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dtlab.core import registry
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import ddp, ddp_naive, dp, elastic, fsdp, multinode, pipeline, rpc, single, zero
+from dtlab.tiers import cp, ddp, ddp_naive, dp, elastic, fsdp, fsdp_tp, multinode, pipeline, rpc, single, tp, zero
 
-for _module in (single, dp, ddp_naive, ddp, zero, rpc, pipeline, fsdp, multinode, elastic):
+for _module in (single, dp, ddp_naive, ddp, zero, rpc, pipeline, fsdp, multinode, elastic, tp, fsdp_tp, cp):
     registry.register(_module.SPEC)
 
 TIERS: tuple[str, ...] = registry.names()

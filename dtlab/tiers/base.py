@@ -33,6 +33,7 @@ class Strategy:
     accumulation_steps = 1
     start_step = 0  # the loop runs steps start_step .. cfg.steps - 1 (a resumed run starts later)
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
+    functional_collectives = False  # True: DTensor communicates; a recording run also records functional ops
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
@@ -49,6 +50,10 @@ class Strategy:
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context for micro-batches whose gradients are not yet reduced."""
+        return contextlib.nullcontext()
+
+    def step_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context around each micro-batch's forward, loss and backward (e.g. tensor-parallel loss)."""
         return contextlib.nullcontext()
 
     def sync_gradients(self, model: nn.Module) -> None:

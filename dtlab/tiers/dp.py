@@ -122,4 +122,5 @@ class Strategy(base.Strategy):
 
 
 SPEC = TierSpec(name="dp", summary="nn.DataParallel: one process drives a replica per device",
-                options=Options, validate=validate, strategy=Strategy, processes=lambda cfg: 1)
+                options=Options, validate=validate, strategy=Strategy, processes=lambda cfg: 1,
+                autocast=False, activation_checkpointing=False)

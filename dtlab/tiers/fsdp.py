@@ -19,7 +19,6 @@ exposed; ``comm_exposure`` measures that.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,7 @@ from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import active
 from dtlab.tiers import base, checkpoint
+from dtlab.tiers.sharded import meta_copy, plain_copy
 
 __all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "preflight", "shard_units", "validate"]
 
@@ -90,16 +90,6 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if isinstance(model, nn.Sequential):
         return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
     return []
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """The model's structure with parameters and buffers on the meta device (no memory)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> None:
@@ -162,10 +152,14 @@ class Strategy(base.Strategy):
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
+
+        self._template = meta_copy(model)  # a plain twin that rank 0 evaluates with the full parameters
+        return self.shard(model, init_device_mesh(self.info.device.type, (self.info.world_size,)))
+
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        self._template = _meta_copy(model)  # a plain twin that rank 0 evaluates with the full parameters
-        mesh = init_device_mesh(self.info.device.type, (self.info.world_size,))
         dtype = MIXED_PRECISION[self.options.mixed_precision]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                   output_dtype=torch.float32 if dtype else None)
@@ -225,16 +219,7 @@ class Strategy(base.Strategy):
     def plain_copy(self, model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
         """An ordinary module (the unwrapped class) with the full parameters in ``state``."""
         assert self._template is not None, "wrap() first"
-        plain = copy.deepcopy(self._template).to_empty(device=self.info.device)
-        plain.load_state_dict(state, strict=False)
-        live = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, buf in plain.named_buffers():  # non-persistent buffers are not in the state dict
-                buf.copy_(live[name])
-        missing = set(dict(plain.named_parameters())) - set(state)
-        if missing:
-            raise RuntimeError(f"fsdp: the gathered state lacks {sorted(missing)}")
-        return plain.train(model.training)
+        return plain_copy(self._template, state, model, self.info.device, self.cfg.tier)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fsdp_units": self.units, "num_units": len(self.units),

@@ -260,4 +260,5 @@ def _common_dtype(entries: list[tuple[str, torch.Size, torch.dtype]]) -> torch.d
 
 
 SPEC = TierSpec(name="pipeline", summary="the model split into stages; naive, GPipe or 1F1B micro-batch schedules",
-                options=Options, validate=validate, strategy=Strategy, choices={"schedule": SCHEDULES})
+                options=Options, validate=validate, strategy=Strategy, choices={"schedule": SCHEDULES},
+                autocast=False, activation_checkpointing=False)

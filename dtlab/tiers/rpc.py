@@ -298,4 +298,5 @@ SPEC = TierSpec(
     name="rpc", summary="a parameter server and trainers over torch.distributed.rpc (TensorPipe)",
     options=Options, validate=validate, processes=lambda cfg: cfg.world_size + 1,  # the server and T trainers
     launcher="rpc", preflight=preflight, rpc_main=_process, rpc_names=_names, choices={"mode": MODES},
+    autocast=False, activation_checkpointing=False,
 )

@@ -26,6 +26,7 @@ from dtlab.core.memory import (
 from dtlab.core.progress import report
 from dtlab.core.results import RankResult, params_to_bytes, provenance
 from dtlab.core.timing import StepClock
+from dtlab.instrument.functional import FunctionalRecorder
 from dtlab.instrument.recorder import CommRecorder, active
 from dtlab.tiers.base import Strategy
 
@@ -51,6 +52,7 @@ class _Loop:
         recorder.clock = self.clock if self.clock.cuda else None  # its events on the GPU's clock too
         slow, delay = parse_slow_rank(cfg.slow_rank) if cfg.slow_rank else (-1, 0.0)
         self.delay_s = delay if slow == info.rank else 0.0  # this rank's extra compute per step (a straggler)
+        self.recomputed = 0.0  # seconds of activation-checkpointing recomputation so far
 
     def run(self) -> None:
         last_report = 0.0
@@ -95,7 +97,11 @@ class _Loop:
         if step == self.start:
             self.memory["optimizer_state"] = optimizer_state_bytes(self.optimizer)
         # NaN on ranks that compute no loss (early pipeline stages)
-        return {"step": step, "loss": float(step_loss), "samples": len(idx), **self.step_times(first_phase)}
+        row = {"step": step, "loss": float(step_loss), "samples": len(idx), **self.step_times(first_phase)}
+        if self.cfg.activation_checkpointing:  # part of backward: seconds spent running blocks again
+            recomputed = models.recompute_seconds(model)
+            row["recompute"], self.recomputed = recomputed - self.recomputed, recomputed
+        return row
 
     def step_times(self, first_phase: int) -> dict[str, float]:
         """The step's seconds per phase, from the phases it recorded (so on CUDA, the GPU's)."""
@@ -121,10 +127,11 @@ class _Loop:
         step_loss = torch.zeros((), device=self.info.device)
         for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
-            with strategy.no_sync(model) if not last else _nothing():
+            with strategy.no_sync(model) if not last else _nothing(), strategy.step_context():
                 a = mark()
                 with SavedActivations() if step == self.start and micro == 0 else _nothing() as acts:
-                    loss = models.loss(model(xm), ym)
+                    with self.autocast():  # the forward and the loss only: backward follows the forward's dtypes
+                        loss = models.loss(model(xm), ym)
                     if accum > 1:
                         loss = loss / accum
                 if micro == 0:
@@ -135,8 +142,13 @@ class _Loop:
                 loss.backward()
                 c = mark()
             self.phases += [("forward", a, b, step), ("backward", b, c, step)]
-            step_loss += loss.detach()
+            step_loss += _local(loss.detach())
         return step_loss
+
+    def autocast(self) -> torch.autocast | _nothing:
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.info.device.type, dtype=torch.bfloat16)
+        return _nothing()
 
     def straggle(self) -> None:
         """A slow rank's extra compute (``RunConfig.slow_rank``): it arrives late at the step's collectives."""
@@ -164,13 +176,21 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     if spec.strategy is None:
         raise ValueError(f"tier {cfg.tier!r} does not run the SPMD training loop: start it with dtlab.run(cfg)")
     strategy = spec.strategy(cfg, info)
+    # DTensor's collectives are C++ ops the recorder's wrappers never see: a dispatch mode records them
+    functional = strategy.functional_collectives and active() is not None
     try:
-        loop = _Loop(cfg, info, strategy, recorder)
-        loop.run()
-        return loop.result()
+        with FunctionalRecorder(recorder) if functional else _nothing():
+            loop = _Loop(cfg, info, strategy, recorder)
+            loop.run()
+            return loop.result()
     except BaseException as exc:
         strategy.on_error(exc)
         raise
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (a tensor-parallel loss is a replicated DTensor)."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 class _nothing:  # noqa: N801 - reads like contextlib.nullcontext, but yields None cheaply
