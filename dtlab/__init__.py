@@ -20,6 +20,8 @@ from dtlab.train import run
 def __getattr__(name: str) -> Any:  # dtlab.widgets on first use: ipywidgets is a notebook extra
     if name == "widgets":
         return importlib.import_module("dtlab.app.widgets")
+    if name == "exercises":
+        return importlib.import_module("dtlab.exercises")
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")
 
 

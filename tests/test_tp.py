@@ -107,3 +107,39 @@ def test_fsdp_tp_mesh_must_fit_the_world():
     with pytest.raises(ValueError, match="tp_size"):
         RunConfig(tier="fsdp-tp", world_size=4, model="charformer", dataset="text",
                   tier_options=FsdpTpOptions(tp_size=3))
+
+
+def _both_recorders(info):
+    """One tp+sp+loss-parallel step recorded by dtlab's dispatch mode and by torch's CommDebugMode together."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from dtlab.core import models
+    from dtlab.instrument.functional import FunctionalRecorder
+    from dtlab.instrument.recorder import CommRecorder
+    from dtlab.tiers import tp
+
+    torch.manual_seed(0)
+    model = models.CharFormer(53, 32, 64, layers=2)
+    tp.parallelize(model, init_device_mesh("cpu", (info.world_size,)), TpOptions(sequence_parallel=True,
+                                                                                    loss_parallel=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = CommRecorder(info.rank)
+    x = torch.randint(0, 53, (4, 32))
+    with CommDebugMode() as theirs, FunctionalRecorder(ours), loss_parallel():
+        models.loss(model(x), x).backward()
+        optimizer.step()
+    counted = {str(op).split(".")[-1]: n for op, n in theirs.get_comm_counts().items()}
+    return counted, [ev[2] for ev in ours.events]
+
+
+def test_functional_recording_agrees_with_comm_debug_mode():
+    from dtlab.launch.local import launch
+
+    for counted, ops in launch(_both_recorders, 2, progress=False).values:
+        ours = {op: ops.count(op) for op in set(ops)}
+        # CommDebugMode names the legacy functional ops: all_reduce, all_gather_into_tensor, reduce_scatter_tensor
+        assert ours == counted
+        assert ours["all_reduce"] >= 3 + 10  # loss parallel's three and the norms' gradients

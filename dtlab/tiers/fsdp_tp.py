@@ -84,7 +84,9 @@ class Strategy(fsdp.Strategy):
         return tp.loss_context(self.tp_options)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "mesh": {"dp": self.dp_size, "tp": self.tp_size}, "shards": self.shards,
+        out = super().describe()
+        out.pop("gathered_after_forward_bytes")  # fsdp counts plain tensors; here every parameter is a DTensor
+        return {**out, "mesh": {"dp": self.dp_size, "tp": self.tp_size}, "shards": self.shards,
                 "sequence_parallel": self.tp_options.sequence_parallel,
                 "loss_parallel": self.tp_options.loss_parallel}
 
