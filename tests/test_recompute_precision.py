@@ -14,18 +14,19 @@ from tests.parity import job
 pytestmark = pytest.mark.usefixtures("no_survivors")
 
 # bf16 keeps 8 significant bits: tiers that sum the same products in a different order round
-# some activations the other way. Measured here after 20 SGD steps on the charformer: ddp and
-# fsdp 7.9e-5, tp 4.9e-5 from single-bf16 (and single-bf16 is 5.7e-5 from single-fp32).
+# some activations the other way. Measured here after 20 SGD steps on a 4-block charformer: ddp
+# and fsdp 7.9e-5, tp 4.9e-5 from single-bf16 (and single-bf16 is 5.7e-5 from single-fp32).
 BF16_TOL = 5e-4
 
 
 def char_job(**changes) -> RunConfig:
-    return job("sgd", model="charformer", dataset="text", model_depth=4, **changes)
+    return job("sgd", model="charformer", dataset="text", **changes)
 
 
 @functools.cache
-def char_run(tier: str = "single", world_size: int = 1, **changes) -> RunResult:
-    return run(char_job(tier=tier, world_size=world_size, **changes), progress=False)
+def char_run(tier: str = "single", world_size: int = 1, depth: int = 2, steps: int = 10, **changes) -> RunResult:
+    cfg = char_job(tier=tier, world_size=world_size, model_depth=depth, steps=steps, **changes)
+    return run(cfg, progress=False)
 
 
 @pytest.mark.parametrize(("tier", "world_size"), [("single", 1), ("ddp", 2), ("fsdp", 2), ("tp", 2)])
@@ -36,7 +37,7 @@ def test_activation_checkpointing_changes_no_parameter(tier, world_size):
 
 
 def test_activation_checkpointing_cuts_activation_memory_and_costs_recompute_time():
-    plain, recomputed = char_run(), char_run(activation_checkpointing=True)
+    plain, recomputed = char_run(depth=4, steps=3), char_run(depth=4, steps=3, activation_checkpointing=True)
     assert plain.ranks[0].memory["activations"] >= 2 * recomputed.ranks[0].memory["activations"]
     # each step's backward ran the 4 blocks' forward again
     assert all(row["recompute"] > 0 for row in recomputed.ranks[0].steps)
