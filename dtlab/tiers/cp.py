@@ -9,15 +9,15 @@ rank r-1), one hop per step, while each rank attends to the block it holds; the
 partial results merge exactly with the online softmax (log-sum-exp), as in flash
 attention. The backward is a second ring pass: the K/V blocks travel again together
 with their dK/dV, which each rank adds to and which arrive back at their owner after
-n hops. This is picotron's ring attention, forward and backward written by hand as a
+n hops. Ring attention as picotron builds it, forward and backward written by hand as a
 ``torch.autograd.Function``.
 
 Causal masking by block: for a K/V block from rank j, rank r attends fully if j < r,
 causally within the block if j == r, and not at all if j > r (the block still passes
 through on its way round the ring). So rank 0 computes one block and rank n-1 all n:
-contiguous chunks leave the early ranks idle for much of each step. picotron and
-Llama 3 balance this with zig-zag ordering (rank r holds chunks r and 2n-1-r of 2n);
-we do not, to keep the lesson's index arithmetic simple.
+contiguous chunks leave the early ranks idle for much of each step. Zig-zag ordering
+balances this (rank r holds chunks r and 2n-1-r of 2n; the Llama 3 paper, sec. 3.3.2,
+splits sequences this way); we do not, to keep the lesson's index arithmetic simple.
 
 Like DDP, every rank holds all parameters (they start equal: the model is seeded) and
 all-reduces the gradients after backward, averaging them. Each rank's loss is the mean
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dtlab.core import models
 from dtlab.core.config import RunConfig
@@ -258,11 +257,11 @@ class Strategy(base.Strategy):
 
     def sync_gradients(self, model: nn.Module) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)  # one collective for the whole model, not one per tensor
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for the whole model, not one per tensor
         dist.all_reduce(flat)
         flat.div_(self.info.world_size)  # each rank's loss is a mean over equally many tokens
-        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(synced)
+        for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(synced.view_as(grad))
 
     def split_step(self, seconds: float) -> dict[str, float]:
         """Compute of the forward and backward passes; waiting on the ring (and the loss's
