@@ -15,8 +15,13 @@
     steps of tens of ms), launched with ``record=True`` and ``record=False``
     alternately; the measure is the median steady-state step time.
 
+(c) The same for the ``tp`` tier (charformer, world 2), where recording adds a
+    ``TorchDispatchMode`` (a Python call per aten op) to see DTensor's functional
+    collectives. Reported apart (``instrument_overhead.tp``, no target): it is the
+    price of seeing tensor parallelism's collectives, paid only by recorded runs.
+
 Reported: the median over rounds of instrumented / plain for each, with the
-range of the per-round ratios, and the worst of the medians as the headline.
+range of the per-round ratios, and the worst of the medians of (a) and (b) as the headline.
 With ``record=False`` dtlab still times its compute phases
 (``recorder.phase``), and its ddp tier keeps DDP's built-in C++ all-reduce
 instead of the Python comm hook that records each bucket: (b) measures the cost
@@ -182,6 +187,20 @@ def measure_training(quick: bool, rounds: int) -> tuple[list[dict], list[dict], 
     return out_rows, steps, out
 
 
+def measure_tp(quick: bool, rounds: int) -> list[float]:
+    """(c): per-round instrumented / plain median step time of tp on the charformer."""
+    cfg = RunConfig(tier="tp", world_size=2, model="charformer", dataset="text", optimizer="sgd", lr=0.05,
+                    steps=6 if quick else 20, threads_per_rank=1)
+
+    def one(mode: str):
+        return lambda _round: {"median_step_s": common.steady_step_s(run(cfg, progress=False,
+                                                                         record=mode == "instrumented"))}
+
+    rows = common.interleave({f"tp:{mode}": one(mode) for mode in MODES}, rounds,
+                             warmup_rounds=0 if quick else 1, log=None if quick else common.note)
+    return common.ratios(rows, "tp:instrumented", "tp:plain", "median_step_s")
+
+
 def main() -> None:
     p = common.parser(__doc__)
     args = common.parse(p)
@@ -195,6 +214,9 @@ def main() -> None:
     worst = max(medians.values())
     detail = "worst of: " + ", ".join(f"{k} {common.ratio_text(v)}" for k, v in parts.items())
     common.result_line(NAME, worst, f"<= {TARGET}", quick=args.quick, detail=detail, passed=worst <= TARGET)
+    tp = measure_tp(args.quick, common.repeats(args, full=8, quick=1))
+    common.result_line(f"{NAME}.tp", common.median(tp), "none: the dispatch mode's cost", quick=args.quick,
+                       detail=f"tp training, charformer, world 2: instrumented / plain per round {common.spread(tp)}")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,13 @@ def test_compare_reports_parity_for_each_tier(tmp_path, capsys):
     assert list(table["tier"]) == ["single", "ddp-naive", "ddp"]
     assert (table["max_param_diff_vs_single"] <= 1e-5).all()
     assert (tmp_path / "ddp-w2" / "result.json").exists()
+
+
+def test_exercises_are_listed_and_described_from_the_shell(capsys):
+    assert main(["exercises"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in ("ring_allreduce", "naive_ddp", "zero1_step"))
+    assert main(["exercises", "ring_allreduce"]) == 0
+    assert "(r + 1) % n" in capsys.readouterr().out
+    assert main(["exercises", "nope"]) == 2
+    assert "no exercise named 'nope'" in capsys.readouterr().err

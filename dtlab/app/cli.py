@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtlab import plots, tiers
+from dtlab import exercises, plots, tiers
 from dtlab.analysis.compare import compare, figures, format_table
 from dtlab.app.bench import run_all, update_readme
 from dtlab.core import options
@@ -278,6 +278,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def cmd_exercises(args: argparse.Namespace) -> int:
+    """``exercises``: each exercise's name and first sentence; with a name, its whole description."""
+    if args.name is not None:
+        print(exercises.describe(args.name))  # ValueError lists the names
+        return 0
+    for name in exercises.names():
+        print(f"{name:16} {exercises.describe(name).split('. ')[0]}.")
+    print("\nIn a notebook: from dtlab import exercises; exercises.check(NAME, your_function)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m dtlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -301,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--out", default="results/bench", help="output folder")
     p_bench.add_argument("--readme", action="store_true", help="regenerate README.md's benchmark table")
     p_bench.set_defaults(func=cmd_bench)
+    p_ex = sub.add_parser("exercises", help="list the exercises (write an algorithm, dtlab checks it), or describe one")
+    p_ex.add_argument("name", nargs="?", default=None, help="an exercise to describe")
+    p_ex.set_defaults(func=cmd_exercises)
     p_cl = sub.add_parser("cluster", help="write a multi-node torchrun job (node commands and a SLURM script), "
                           "or --collect its results")
     p_cl.add_argument("--tier", default="ddp", help=f"one of {', '.join(cluster.TIERS)}")

@@ -1,0 +1,196 @@
+"""Exercise ``naive_ddp``: make every rank's gradients the global batch's, as DistributedDataParallel does.
+
+Data parallelism: every rank holds the same model and computes gradients on
+its own shard of the global batch. After ``loss.backward()`` rank r's ``p.grad``
+is the gradient of the mean loss over *its* shard only. With equal shards, the
+global batch's mean-loss gradient is the mean of the ranks' gradients: sum them
+over the ranks (``dist.all_reduce``, a sum) and divide by the world size. Then
+every rank takes the same optimizer step and the replicas stay identical: the
+run matches one process on the whole batch (parity), which is what the checker
+compares.
+
+This is the ``ddp-naive`` tier (``dtlab.tiers.ddp_naive``): one all_reduce per
+parameter, after backward. DistributedDataParallel does the same maths with the
+gradients packed into buckets, all-reduced while backward still runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.core.models import mlp
+from dtlab.exercises._check import Call, Exercise, call_learner, max_abs, ops_used
+
+GLOBAL_BATCH = 24  # divisible by 2, 3 and 4: every rank gets an equal shard
+FEATURES, CLASSES, WIDTH = 8, 4, 16
+STEPS = 10
+LR = 0.1
+TOL = 1e-5
+
+DESCRIPTION = (
+    "Write fn(model: torch.nn.Module) -> None. Every rank holds the same model; the checker calls fn on every rank "
+    "right after loss.backward() on that rank's shard of the global batch (equal shards), then takes a plain SGD "
+    "step. fn must leave every parameter's p.grad equal, on every rank, to the gradient of the whole global batch's "
+    "mean loss: the mean of the ranks' gradients (all_reduce each p.grad, which sums, then divide by "
+    "dist.get_world_size()). Change only the gradients, not the parameters. Checked at world sizes 2, 3 and 4 over "
+    f"{STEPS} steps of a small MLP: every rank's gradients after fn, and the parameters after every step, against "
+    f"one process training on the whole batch (within {TOL:g}); and that the ranks communicated."
+)
+
+
+def naive_ddp(model: nn.Module) -> None:
+    """The reference: one all_reduce (sum) per gradient, then divide by the world size."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)  # SUM over ranks ...
+            p.grad.div_(world)  # ... / world = the mean over the global batch
+
+
+def stub(model: nn.Module) -> None:
+    """A starting point: replace the body (see ``describe('naive_ddp')``)."""
+    raise NotImplementedError(
+        "average the gradients over the ranks: for every parameter p, dist.all_reduce(p.grad) (a sum), then divide "
+        "p.grad by dist.get_world_size()")
+
+
+# -- the run both sides share ------------------------------------------------------------------------------------
+def _model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):  # the same start everywhere, without touching the caller's seed
+        torch.manual_seed(0)
+        return mlp((FEATURES,), CLASSES, width=WIDTH, depth=1)
+
+
+def _batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s shard of step ``step``'s global batch (the whole batch for world 1)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, FEATURES, generator=gen), torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen)
+    shard = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return x[shard], y[shard]
+
+
+def _params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    """Every p.grad, flattened into one tensor (zeros for a parameter without one)."""
+    return torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                      for p in model.parameters()]).clone()
+
+
+@functools.lru_cache(maxsize=1)
+def reference() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """One process on the whole batch: (the gradient at each step, the parameters after each step)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads, params = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        grads.append(_grads(model))
+        opt.step()
+        params.append(_params(model))
+    return tuple(grads), tuple(params)
+
+
+# -- checking ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One rank's step: its shard's gradient, the gradient after the learner's function, the parameters after."""
+
+    local: torch.Tensor
+    synced: torch.Tensor
+    params: torch.Tensor
+    calls: tuple[Call, ...]
+
+
+def on_rank(info: Any, fn: Any) -> list[Step]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(step, info.rank, info.world_size)
+        F.cross_entropy(model(x), y).backward()
+        local = _grads(model)
+        _, calls = call_learner(fn, model, where=f"in step {step}")
+        synced = _grads(model)
+        opt.step()
+        steps.append(Step(local, synced, _params(model), calls))
+    return steps
+
+
+def judge(n: int, ranks: list[list[Step]]) -> str | None:
+    ref_grads, ref_params = reference()
+    for s in range(STEPS):
+        steps = [r[s] for r in ranks]
+        problem = (_disagree(s, steps) or _wrong_gradient(s, n, steps[0], ref_grads[s], ref_params[s])
+                   or _params_moved(s, steps[0], ref_params[s]))
+        if problem:
+            return problem
+    for r, steps in enumerate(ranks):
+        if not any(call.nbytes for st in steps for call in st.calls):
+            return f"rank {r} communicated nothing: the ranks' gradients can only be averaged by communicating."
+    return None
+
+
+def _disagree(s: int, steps: list[Step]) -> str | None:
+    for r, st in enumerate(steps[1:], 1):
+        diff = max_abs(st.synced, steps[0].synced)
+        if diff <= TOL:
+            continue
+        if all(torch.equal(x.synced, x.local) for x in steps):
+            return (f"ranks disagree after step {s}: your function left every rank with its own shard's gradient "
+                    f"(rank {r}'s differs from rank 0's by {diff:.1e}). Average them over the ranks: all_reduce "
+                    "each p.grad (a sum), then divide by the world size.")
+        return (f"ranks disagree after step {s}: after your function rank {r}'s gradients differ from rank 0's by "
+                f"{diff:.1e}; every rank must end with the same gradient, the global batch's.")
+    return None
+
+
+def _wrong_gradient(s: int, n: int, st: Step, ref_grad: torch.Tensor, ref_params: torch.Tensor) -> str | None:
+    err = max_abs(st.synced, ref_grad)
+    if err <= TOL:
+        return None
+    head = (f"after step {s} the parameters differ by {max_abs(st.params, ref_params):.1e} from one process on "
+            "the whole batch")
+    if max_abs(st.synced, ref_grad * n) <= TOL * n:
+        return (f"{head}: the gradients are {n}× the global batch's (the sum over ranks): did you divide by the "
+                "world size?")
+    if max_abs(st.synced, ref_grad / n) <= TOL:
+        return f"{head}: the gradients are 1/{n} of the global batch's: did you divide by the world size twice?"
+    return (f"{head}: after your function the gradients differ by {err:.1e} from the whole batch's gradient (the "
+            "mean of the ranks' gradients).")
+
+
+def _params_moved(s: int, st: Step, ref_params: torch.Tensor) -> str | None:
+    diff = max_abs(st.params, ref_params)
+    if diff <= TOL:
+        return None
+    return (f"after step {s} the parameters differ by {diff:.1e} from one process on the whole batch although the "
+            "gradients match: your function should change only the gradients (p.grad), not the parameters.")
+
+
+def summary(records: dict[int, list[list[Step]]]) -> str:
+    _, ref_params = reference()
+    worst = max(max_abs(st.params, ref_params[s]) for ranks in records.values() for steps in ranks
+                for s, st in enumerate(steps))
+    grad_bytes = ref_params[0].nbytes
+    per_n = [f"n={n}: {sum(c.nbytes for c in ranks[0][0].calls):,} bytes in {ops_used(ranks[0][0].calls)}"
+             for n, ranks in records.items()]
+    return (f"after each of {STEPS} SGD steps at world sizes {', '.join(map(str, records))}, every rank's gradients "
+            "were the global batch's and the parameters matched one process on the whole batch (largest difference "
+            f"{worst:.1g}). What rank 0's calls carried in a step (the gradients are {grad_bytes:,} bytes): "
+            + "; ".join(per_n) + ".")
+
+
+EXERCISE = Exercise("naive_ddp", DESCRIPTION, on_rank, judge, summary, naive_ddp, stub)

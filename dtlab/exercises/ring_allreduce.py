@@ -1,0 +1,218 @@
+"""Exercise ``ring_allreduce``: all_reduce (a sum) built from point-to-point calls, the way NCCL and gloo run it.
+
+In a ring, rank r sends only to its right neighbour (r + 1) % n and receives
+only from its left one (r - 1) % n. Split the tensor into n chunks
+(``t.tensor_split(n)``, which also works when n does not divide its length):
+
+1. **Reduce-scatter**, n - 1 rounds: in round s rank r sends chunk (r - s) % n to
+   the right and adds the chunk it receives from the left, (r - s - 1) % n, into
+   its own. Afterwards rank r holds the full sum of chunk (r + 1) % n.
+2. **All-gather**, n - 1 rounds: in round s rank r sends chunk (r + 1 - s) % n,
+   which is complete, and overwrites chunk (r - s) % n with the one it receives.
+
+Each rank sends 2(n - 1) chunks, 2(n - 1)/n of the tensor whatever n is: that is
+why the ring is bandwidth-optimal, and why nccl-tests' bus bandwidth multiplies
+an all_reduce's algorithm bandwidth by 2(n - 1)/n.
+
+gloo's ``send`` waits until its receiver is there: if every rank sends first,
+they all wait. Post each round's send and receive together
+(``dist.batch_isend_irecv``) and wait on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlab.exercises._check import (
+    POINT_TO_POINT,
+    RECEIVES,
+    SENDS,
+    Call,
+    Exercise,
+    call_learner,
+    ceil_div,
+    ops_used,
+    sent_bytes,
+)
+
+LENGTHS = (7, 10, 1000, 1001)  # 7, 10 and 1001 are not divisible by every world size checked
+SUMMARY_LENGTH = 1000
+RTOL = ATOL = 1e-5
+
+DESCRIPTION = (
+    "Write fn(t: torch.Tensor) -> None that sums the 1-D float32 tensor t over all ranks, in place: every rank "
+    "ends with the sum in t. Use only point-to-point calls (dist.send, dist.recv, dist.isend, dist.irecv, "
+    "dist.batch_isend_irecv; no collective, not even a barrier), in a ring: rank r sends only to (r + 1) % n and "
+    "receives only from (r - 1) % n (rank and n from dist.get_rank() and dist.get_world_size()). Split t into n "
+    "chunks with t.tensor_split(n) (the length need not divide by n); run n - 1 reduce-scatter rounds (round s: "
+    "send chunk (r - s) % n to the right, add the chunk received from the left into chunk (r - s - 1) % n), then "
+    "n - 1 all-gather rounds (round s: send chunk (r + 1 - s) % n, overwrite chunk (r - s) % n with the one "
+    "received), so that each rank sends 2(n - 1)/n of the tensor's bytes. gloo's send waits for its receiver: post "
+    "each round's send and receive together with dist.batch_isend_irecv and wait on both. Checked at world sizes "
+    f"2, 3 and 4 with {', '.join(map(str, LENGTHS))} elements: the sums on every rank, the peer of every transfer, "
+    "and the bytes each rank sends."
+)
+
+
+def ring_allreduce(t: torch.Tensor) -> None:
+    """The reference: a ring all-reduce (sum) of ``t`` in place, one chunk per rank per round."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = t.view(-1).tensor_split(n)  # views into t: writing a chunk writes t
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for s in range(n - 1):  # reduce-scatter
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        _exchange(chunks[(rank - s) % n], right, incoming, left)
+        chunks[(rank - s - 1) % n].add_(incoming)
+    for s in range(n - 1):  # all-gather: rank r now holds the sum of chunk (r + 1) % n
+        _exchange(chunks[(rank + 1 - s) % n], right, chunks[(rank - s) % n], left)
+
+
+def _exchange(outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int) -> None:
+    """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``; return when both are done."""
+    ops = [dist.P2POp(dist.isend, outgoing, dst), dist.P2POp(dist.irecv, incoming, src)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def stub(t: torch.Tensor) -> None:
+    """A starting point: replace the body with the ring (see ``describe('ring_allreduce')``)."""
+    raise NotImplementedError(
+        "write the ring: split t into n chunks (t.tensor_split(n)), run n - 1 reduce-scatter rounds (send a chunk "
+        "to rank r + 1, add the chunk received from rank r - 1), then n - 1 all-gather rounds")
+
+
+# -- checking ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """What one rank saw in one test case: its input, t afterwards, what the function returned, and its calls."""
+
+    length: int
+    given: torch.Tensor
+    result: torch.Tensor
+    returned: torch.Tensor | None
+    calls: tuple[Call, ...]
+
+
+def on_rank(info: Any, fn: Any) -> list[Case]:
+    """Every test case, in the same order on every rank."""
+    cases = []
+    for length in LENGTHS:
+        given = torch.randn(length, generator=torch.Generator().manual_seed(1009 * length + info.rank))
+        t = given.clone()
+        returned, calls = call_learner(fn, t, where=f"with {length} elements")
+        cases.append(Case(length, given, t, returned if isinstance(returned, torch.Tensor) else None, calls))
+    return cases
+
+
+def judge(n: int, ranks: list[list[Case]]) -> str | None:
+    for i in range(len(LENGTHS)):
+        case = [cases[i] for cases in ranks]
+        problem = _collective(case) or _wrong_values(case, n) or _not_a_ring(case, n) or _wrong_bytes(case, n)
+        if problem:
+            return problem
+    return None
+
+
+def _collective(case: list[Case]) -> str | None:
+    for r, c in enumerate(case):
+        for call in c.calls:
+            if call.op not in POINT_TO_POINT:
+                return (f"rank {r} called dist.{call.op} with {c.length} elements: this exercise allows only "
+                        "point-to-point calls (send, recv, isend, irecv, batch_isend_irecv), since the point is "
+                        "to build all_reduce out of them.")
+    return None
+
+
+def _wrong_values(case: list[Case], n: int) -> str | None:
+    expected = torch.stack([c.given.double() for c in case]).sum(0)
+    for r, c in enumerate(case):
+        if c.result.shape != expected.shape:
+            return f"rank {r}'s t has shape {tuple(c.result.shape)} afterwards, not {tuple(expected.shape)}."
+        right = torch.isclose(c.result.double(), expected, rtol=RTOL, atol=ATOL)
+        if bool(right.all()):
+            continue
+        i = int((~right).nonzero()[0])
+        return (f"rank {r} holds wrong values with {c.length} elements: at index {i} it has "
+                f"{float(c.result[i]):.6g} where the sum is {float(expected[i]):.6g} ({int(right.sum())} of "
+                f"{c.length} elements right).{_value_hint(c, expected, right, n)}")
+    return None
+
+
+def _value_hint(c: Case, expected: torch.Tensor, right: torch.Tensor, n: int) -> str:
+    if torch.equal(c.result, c.given):
+        returned_sum = c.returned is not None and c.returned.shape == expected.shape and bool(
+            torch.allclose(c.returned.double(), expected, rtol=RTOL, atol=ATOL))
+        if returned_sum:
+            return " Your function returned the sum but left t as it was: write the sum into t itself."
+        return " t is unchanged: the sum must land in t itself (add into its chunks, or t.copy_(...))."
+    bounds = torch.tensor([0, *[len(x) for x in torch.arange(c.length).tensor_split(n)]]).cumsum(0)
+    for k in range(n):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        if bool(right[lo:hi].all()) and int(right.sum()) == hi - lo:
+            return (f" Only chunk {k} (elements {lo} to {hi - 1}) holds the sum: that is where reduce-scatter "
+                    "leaves it on this rank. The all-gather phase (n - 1 more rounds, passing the finished chunks "
+                    "to the right) brings every chunk to every rank.")
+    return ""
+
+
+def _not_a_ring(case: list[Case], n: int) -> str | None:
+    for r, c in enumerate(case):
+        right, left = (r + 1) % n, (r - 1) % n
+        sends = receives = 0
+        for call in c.calls:
+            if call.op in SENDS:
+                sends += 1
+                if call.peer != right:
+                    return (f"rank {r} sent to rank {call.peer} in round {sends} with {c.length} elements; in a "
+                            f"ring, rank r sends only to r + 1 (here rank {right}).")
+            elif call.op in RECEIVES:
+                receives += 1
+                if call.peer is None:
+                    return (f"rank {r} received from any rank (src=None) in round {receives}; in a ring, rank r "
+                            f"receives only from r - 1: name it (here rank {left}).")
+                if call.peer != left:
+                    return (f"rank {r} received from rank {call.peer} in round {receives} with {c.length} "
+                            f"elements; in a ring, rank r receives only from r - 1 (here rank {left}).")
+    return None
+
+
+def ring_fraction(n: int) -> str:
+    """2(n - 1)/n, the share of the tensor each rank of a ring all-reduce sends."""
+    return f"{2 * (n - 1) / n:.2f}"
+
+
+def _wrong_bytes(case: list[Case], n: int) -> str | None:
+    size = case[0].given.element_size()
+    low, high = 2 * (n - 1) * (case[0].length // n), 2 * (n - 1) * ceil_div(case[0].length, n)
+    for r, c in enumerate(case):
+        sent = sent_bytes(c.calls)
+        if low * size <= sent <= high * size:
+            continue
+        hint = (" Passing whole tensors around the ring gives the right sum, but each rank should send one "
+                "chunk per round." if sent > high * size else " Each of the 2(n - 1) rounds sends one chunk.")
+        return (f"rank {r} sent {sent:,} bytes for a tensor of {c.length} elements ({c.length * size:,} bytes); a "
+                f"ring all-reduce sends 2(n - 1)/n = {ring_fraction(n)} of the tensor: 2(n - 1) = {2 * (n - 1)} chunks "
+                f"of {c.length // n} to {ceil_div(c.length, n)} elements, {low * size:,} to {high * size:,} bytes."
+                + hint)
+    return None
+
+
+def summary(records: dict[int, list[list[Case]]]) -> str:
+    i = LENGTHS.index(SUMMARY_LENGTH)
+    nbytes = records[min(records)][0][i].given.nbytes
+    per_n = []
+    for n, ranks in records.items():
+        sent = [sent_bytes(cases[i].calls) for cases in ranks]
+        per_n.append(f"n={n}: {'/'.join(f'{s:,}' for s in sent)} ({sent[0] / nbytes:.2f}× the tensor; 2(n - 1)/n "
+                     f"= {ring_fraction(n)}) in {ops_used(ranks[0][i].calls)}")
+    return (f"every rank held the sum at world sizes {', '.join(map(str, records))} with "
+            f"{', '.join(map(str, LENGTHS))} elements, using point-to-point calls only, each rank sending only to "
+            f"r + 1 and receiving only from r - 1. Bytes each rank sent for {SUMMARY_LENGTH} elements "
+            f"({nbytes:,} bytes): " + "; ".join(per_n) + ".")
+
+
+EXERCISE = Exercise("ring_allreduce", DESCRIPTION, on_rank, judge, summary, ring_allreduce, stub)
