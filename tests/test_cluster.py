@@ -13,7 +13,7 @@ import dtlab
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
 from dtlab.launch import cluster
-from dtlab.launch.torchrun import _kill_session, free_port, torchrun_command
+from dtlab.launch.torchrun import free_port, kill_session, torchrun_command
 from dtlab.tiers import elastic, multinode
 
 from .parity import TOL
@@ -195,7 +195,7 @@ def test_two_nodes_run_the_printed_commands_and_match_single(tmp_path, capsys):
             p.wait(timeout=120)
     finally:
         for p in procs:
-            _kill_session(p)  # the shell, torchrun's agent and its workers (in sessions of their own)
+            kill_session(p)  # the shell, torchrun's agent and its workers (in sessions of their own)
     logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-2000:] for i in range(2))
     assert [p.returncode for p in procs] == [0, 0], logs
     result = cluster.collect(plan.workdir)

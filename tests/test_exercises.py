@@ -7,14 +7,19 @@ at the first world size, so it costs one launch.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from dtlab import exercises
-from dtlab.exercises import CheckResult
+from dtlab.exercises import CheckResult, gpipe_schedule
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
+runs_torchrun = pytest.mark.usefixtures("nothing_left")
+FUNCTIONS = ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "gpipe_schedule")
 
 
 # -- correct designs other than the references -------------------------------------------------------------------
@@ -62,6 +67,77 @@ def zero1_with_a_flat_shard(params, grads, state, lr):
     dist.all_gather_into_tensor(gathered, state["shard"])
     for p, part in zip(params, gathered[:total].split([p.numel() for p in params])):
         p.copy_(part.view_as(p))
+
+
+def buckets_of(model, bucket_bytes):
+    """Greedy buckets of parameters, last parameter first (as the reference packs them)."""
+    buckets, filled = [], 0
+    for p in reversed(list(model.parameters())):
+        nbytes = p.numel() * p.element_size()
+        if buckets and filled + nbytes <= bucket_bytes:
+            buckets[-1].append(p)
+            filled += nbytes
+        else:
+            buckets.append([p])
+            filled = nbytes
+    return buckets
+
+
+def ddp_with_preallocated_buckets(model, bucket_bytes):
+    """Each bucket a flat buffer made once; a hook copies its gradient in and sends the buffer when it is full."""
+    buckets = buckets_of(model, bucket_bytes)
+    flats = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+    slot = {id(p): (b, flats[b][o - p.numel():o]) for b, params in enumerate(buckets)
+            for p, o in zip(params, torch.tensor([p.numel() for p in params]).cumsum(0).tolist())}
+    missing, works = [len(b) for b in buckets], []
+
+    def hook(p):
+        b, view = slot[id(p)]
+        view.copy_(p.grad.reshape(-1))
+        missing[b] -= 1
+        if missing[b] == 0:
+            works.append(dist.all_reduce(flats[b], async_op=True))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for work in works:
+            work.wait()
+        for p in model.parameters():
+            p.grad.copy_(slot[id(p)][1].view_as(p) / dist.get_world_size())
+        works.clear()
+        missing[:] = [len(b) for b in buckets]
+
+    return finish
+
+
+def gpipe_with_async_transfers(stage, micro_batches, targets, loss_fn):
+    """isend/irecv throughout: receives waited on before use, sends waited on at the end."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sends, outputs, m_count = [], [], len(micro_batches)
+    for m, x in enumerate(micro_batches):
+        if rank > 0:
+            dist.irecv(x, rank - 1).wait()
+            x.requires_grad_()
+        y = stage(x)
+        if rank == n - 1:
+            y = loss_fn(y, targets[m]) / m_count
+        else:
+            sends.append(dist.isend(y.detach(), rank + 1))
+        outputs.append(y)
+    for m in reversed(range(m_count)):
+        if rank == n - 1:
+            outputs[m].backward()
+        else:
+            grad = torch.empty_like(outputs[m])
+            dist.irecv(grad, rank + 1).wait()
+            outputs[m].backward(grad)
+        if rank > 0:
+            sends.append(dist.isend(micro_batches[m].grad, rank - 1))
+    for work in sends:
+        work.wait()
+    return sum(outputs).detach() if rank == n - 1 else None
 
 
 # -- wrong solutions ---------------------------------------------------------------------------------------------
@@ -141,19 +217,110 @@ def zero1_without_bias_correction(params, grads, state, lr):
         dist.broadcast(p, src=i % n)
 
 
+def ddp_reducing_after_backward(model, bucket_bytes):
+    """The right buckets, all-reduced asynchronously, but only once backward has returned."""
+    buckets = buckets_of(model, bucket_bytes)
+
+    def finish():
+        flats = [torch.cat([p.grad.reshape(-1) for p in b]) for b in buckets]
+        works = [dist.all_reduce(flat, async_op=True) for flat in flats]
+        for b, flat, work in zip(buckets, flats, works):
+            work.wait()
+            for p, part in zip(b, flat.div_(dist.get_world_size()).split([p.numel() for p in b])):
+                p.grad.copy_(part.view_as(p))
+
+    return finish
+
+
+def ddp_in_one_bucket(model, bucket_bytes):
+    """Overlaps nothing either: the one bucket is sent from the hook of the last gradient."""
+    params = list(model.parameters())
+    state = {"ready": 0}
+
+    def hook(p):
+        state["ready"] += 1
+        if state["ready"] == len(params):
+            state["flat"] = torch.cat([q.grad.reshape(-1) for q in params])
+            state["work"] = dist.all_reduce(state["flat"], async_op=True)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        state["work"].wait()
+        for q, part in zip(params, state["flat"].div_(dist.get_world_size()).split([q.numel() for q in params])):
+            q.grad.copy_(part.view_as(q))
+        state["ready"] = 0
+
+    return finish
+
+
+def gpipe_one_micro_batch_at_a_time(stage, micro_batches, targets, loss_fn):
+    """Forward and backward of each micro-batch before the next one starts: right gradients, wrong schedule."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total = 0.0
+    for m, x in enumerate(micro_batches):
+        if rank > 0:
+            dist.recv(x, rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if rank == n - 1:
+            y = loss_fn(y, targets[m]) / len(micro_batches)
+            y.backward()
+            total = total + y.detach()
+        else:
+            dist.send(y.detach(), rank + 1)
+            grad = torch.empty_like(y)
+            dist.recv(grad, rank + 1)
+            y.backward(grad)
+        if rank > 0:
+            dist.send(x.grad, rank - 1)
+    return total if rank == n - 1 else None
+
+
+def gpipe_with_a_broadcast(stage, micro_batches, targets, loss_fn):
+    dist.broadcast(micro_batches[0], src=0)  # "every rank gets the input": not how a pipeline moves data
+    return gpipe_schedule.gpipe_schedule(stage, micro_batches, targets, loss_fn)
+
+
+def gpipe_without_scaling(stage, micro_batches, targets, loss_fn):
+    """Each micro-batch's loss is its mean, not divided by M: the gradients are M times too big."""
+    m_count = len(micro_batches)
+    return gpipe_schedule.gpipe_schedule(stage, micro_batches, targets, lambda out, t: loss_fn(out, t) * m_count)
+
+
 # -- the registry and the result (no processes) ------------------------------------------------------------------
-def test_names_list_the_three_exercises_and_each_is_described():
-    assert exercises.names() == ("ring_allreduce", "naive_ddp", "zero1_step")
+def test_names_list_the_exercises_in_course_order_and_each_is_described():
+    assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "gpipe_schedule",
+                                 "ddp_script")
     for name in exercises.names():
         text = exercises.describe(name)
-        assert text.startswith("Write fn(") and "\n" not in text and "Checked at world sizes 2, 3 and 4" in text
-        assert callable(exercises.solution(name)) and callable(exercises.stub(name))
-    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, zero1_step"):
+        assert "\n" not in text and "Checked at world size" in text
+        if name in FUNCTIONS:
+            assert text.startswith("Write fn(")
+            assert callable(exercises.solution(name)) and callable(exercises.stub(name))
+    assert "Checked at world sizes 2, 3 and 4" in exercises.describe("ring_allreduce")
+    assert "Checked at world sizes 2 and 3" in exercises.describe("gpipe_schedule")
+    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, bucketed_ddp, zero1_step, gpipe_schedule, ddp"):
         exercises.describe("tree_allreduce")
     with pytest.raises(TypeError, match="needs your function"):
         exercises.check("naive_ddp", "not a function")
     with pytest.raises(ValueError, match="world_sizes"):
         exercises.check("naive_ddp", ddp_doing_nothing, world_sizes=(1,))
+    with pytest.raises(ValueError, match="gpipe_schedule runs at world sizes 2, 3, 4"):
+        exercises.check("gpipe_schedule", gpipe_schedule.gpipe_schedule, world_sizes=(5,))
+
+
+def test_ddp_script_takes_the_path_of_a_script_and_its_stub_and_solution_are_scripts(tmp_path):
+    text = exercises.describe("ddp_script")
+    assert text.startswith("Write a torchrun script") and "--out DIR --epochs 2" in text and "set_epoch" in text
+    for path in (exercises.solution("ddp_script"), exercises.stub("ddp_script")):
+        assert isinstance(path, str) and path.endswith(".py") and os.path.isfile(path)
+    assert "set_epoch" in Path(exercises.solution("ddp_script")).read_text()
+    with pytest.raises(TypeError, match="needs the path of your script file"):
+        exercises.check("ddp_script", ddp_doing_nothing)
+    with pytest.raises(FileNotFoundError, match="there is no file at .*missing.py"):
+        exercises.check("ddp_script", tmp_path / "missing.py")
 
 
 def test_check_result_reads_as_its_verdict_in_python_and_in_a_notebook():
@@ -167,21 +334,27 @@ def test_check_result_reads_as_its_verdict_in_python_and_in_a_notebook():
 
 # -- checks on ranks ---------------------------------------------------------------------------------------------
 @launches_ranks
-@pytest.mark.parametrize("name,verified", [
-    ("ring_allreduce", "6,000/6,000/6,000/6,000 (1.50× the tensor; 2(n - 1)/n = 1.50) in isend ×6, irecv ×6"),
-    ("naive_ddp", "the parameters matched one process on the whole batch"),
-    ("zero1_step", "n=2: 2,440/2,016; n=3: 1,768/1,360/1,328"),  # of Adam's full 4,456 bytes
-], ids=["ring_allreduce", "naive_ddp", "zero1_step"])
-def test_the_reference_passes_at_every_world_size(name, verified):
+@pytest.mark.parametrize("name,sizes,verified", [
+    ("ring_allreduce", "2, 3, 4",
+     "6,000/6,000/6,000/6,000 (1.50× the tensor; 2(n - 1)/n = 1.50) in isend ×6, irecv ×6"),
+    ("naive_ddp", "2, 3, 4", "the parameters matched one process on the whole batch"),
+    ("bucketed_ddp", "2, 3", "n=2 (bucket_bytes=2,048): 4 buckets (1,504, 3,072, 128 and 2,048 bytes); n=3 "
+     "(bucket_bytes=1,024): 6 buckets (256, 1,152, 96, 3,072, 128 and 2,048 bytes)"),
+    ("zero1_step", "2, 3, 4", "n=2: 2,440/2,016; n=3: 1,768/1,360/1,328"),  # of Adam's full 4,456 bytes
+    ("gpipe_schedule", "2, 3", "n=2 with M=4: rank 0: send ×4, recv ×4; rank 1: recv ×4, send ×4"),
+], ids=FUNCTIONS)
+def test_the_reference_passes_at_every_world_size(name, sizes, verified):
     result = exercises.check(name, exercises.solution(name))
     assert result.passed, result.feedback
-    assert "world sizes 2, 3, 4" in result.feedback and verified in result.feedback
+    assert f"world sizes {sizes}" in result.feedback and verified in result.feedback
 
 
 @launches_ranks
 @pytest.mark.parametrize("name,fn", [("ring_allreduce", ring_with_blocking_calls),
                                      ("naive_ddp", ddp_with_one_flat_all_reduce),
-                                     ("zero1_step", zero1_with_a_flat_shard)])
+                                     ("bucketed_ddp", ddp_with_preallocated_buckets),
+                                     ("zero1_step", zero1_with_a_flat_shard),
+                                     ("gpipe_schedule", gpipe_with_async_transfers)], ids=FUNCTIONS)
 def test_other_correct_designs_pass_too(name, fn):
     result = exercises.check(name, fn)
     assert result.passed, result.feedback
@@ -190,8 +363,9 @@ def test_other_correct_designs_pass_too(name, fn):
 @launches_ranks
 @pytest.mark.parametrize("name,says", [("ring_allreduce", "write the ring: split t into n chunks"),
                                        ("naive_ddp", "average the gradients over the ranks"),
-                                       ("zero1_step", "write ZeRO-1: rank r owns the parameters i with i % n == r")],
-                         ids=["ring_allreduce", "naive_ddp", "zero1_step"])
+                                       ("bucketed_ddp", "pack the parameters into buckets of at most bucket_bytes"),
+                                       ("zero1_step", "write ZeRO-1: rank r owns the parameters i with i % n == r"),
+                                       ("gpipe_schedule", "write GPipe: all M forwards first")], ids=FUNCTIONS)
 def test_the_stub_fails_saying_what_to_write(name, says):
     feedback = exercises.check(name, exercises.stub(name)).feedback
     assert feedback.startswith("World size 2: rank ") and "raised NotImplementedError" in feedback and says in feedback
@@ -258,3 +432,72 @@ def test_zero1_rejects_wrong_maths():
     feedback = exercises.check("zero1_step", zero1_without_bias_correction).feedback
     assert feedback.startswith("World size 2: after step 0, parameter 0 (6, 8) differs by")
     assert "from full Adam on one process" in feedback and "bias corrections" in feedback
+
+
+@launches_ranks
+def test_bucketed_ddp_rejects_reducing_after_backward():
+    feedback = exercises.check("bucketed_ddp", ddp_reducing_after_backward).feedback
+    assert feedback.startswith("World size 2: your buckets are reduced after backward: nothing overlaps.")
+    assert "rank 0 issued all 4 of its all_reduces after loss.backward() had returned" in feedback
+    assert "register_post_accumulate_grad_hook" in feedback
+
+
+@launches_ranks
+def test_bucketed_ddp_rejects_one_bucket_for_everything():
+    feedback = exercises.check("bucketed_ddp", ddp_in_one_bucket).feedback
+    assert feedback.startswith("World size 2: rank 0 all-reduced 1 bucket (6,752 bytes) in step 0")
+    assert "with bucket_bytes=2,048" in feedback
+    assert "pack into 4 buckets (1,504, 3,072, 128 and 2,048 bytes)" in feedback
+    assert "One bucket holds everything" in feedback
+
+
+@launches_ranks
+def test_gpipe_rejects_one_micro_batch_at_a_time():
+    feedback = exercises.check("gpipe_schedule", gpipe_one_micro_batch_at_a_time).feedback
+    assert feedback.startswith("World size 2: rank 0 received a gradient from rank 1 before it sent micro-batch 1's "
+                               "activations to rank 1, with 4 micro-batches: that is not GPipe's schedule.")
+    assert "forwards of all 4 micro-batches first" in feedback
+
+
+@launches_ranks
+def test_gpipe_rejects_a_collective():
+    feedback = exercises.check("gpipe_schedule", gpipe_with_a_broadcast).feedback
+    assert feedback.startswith("World size 2: rank 0 called dist.broadcast with 4 micro-batches")
+    assert "point-to-point calls only" in feedback
+
+
+@launches_ranks
+def test_gpipe_rejects_losses_not_scaled_by_one_over_m():
+    feedback = exercises.check("gpipe_schedule", gpipe_without_scaling).feedback
+    assert feedback.startswith("World size 2: stage 0's gradients are 4× the whole batch's with 4 micro-batches")
+    assert "scale each micro-batch's loss by 1/M (1/4)" in feedback
+
+
+# -- a whole script under torchrun (each check is one torchrun launch) --------------------------------------------
+@runs_torchrun
+def test_ddp_script_reference_passes_under_torchrun():
+    result = exercises.check("ddp_script", exercises.solution("ddp_script"))
+    assert result.passed, result.feedback
+    assert "ranks trained on disjoint shares that covered the 48 samples, in a new order every epoch" in result.feedback
+    assert "rank 0 alone saved model.pt and every rank waited at a barrier" in result.feedback
+    assert "matched one process training on the same global batches" in result.feedback
+
+
+@runs_torchrun
+def test_ddp_script_starter_fails_saying_what_to_do():
+    feedback = exercises.check("ddp_script", exercises.stub("ddp_script")).feedback
+    assert feedback.startswith("World size 2: rank ")
+    assert "'s script raised NotImplementedError at line " in feedback and "of ddp_script_starter.py" in feedback
+    assert "TODO 1: call dist.init_process_group('gloo')" in feedback
+
+
+@runs_torchrun
+def test_ddp_script_without_set_epoch_repeats_the_first_epoch(tmp_path):
+    reference = Path(exercises.solution("ddp_script")).read_text()
+    assert "        sampler.set_epoch(epoch)" in reference
+    script = tmp_path / "no_set_epoch.py"
+    script.write_text(reference.replace("        sampler.set_epoch(epoch)", "        pass"))
+    feedback = exercises.check("ddp_script", script).feedback
+    assert feedback.startswith("World size 2: rank 0 trained on the same samples in the same order in epoch 1 as in "
+                               "epoch 0")
+    assert "without sampler.set_epoch(epoch) at the start of every epoch" in feedback

@@ -285,7 +285,8 @@ def cmd_exercises(args: argparse.Namespace) -> int:
         return 0
     for name in exercises.names():
         print(f"{name:16} {exercises.describe(name).split('. ')[0]}.")
-    print("\nIn a notebook: from dtlab import exercises; exercises.check(NAME, your_function)")
+    print("\nIn a notebook: from dtlab import exercises; exercises.check(NAME, your_function) "
+          "(ddp_script: the path of your script)")
     return 0
 
 

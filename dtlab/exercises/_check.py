@@ -4,6 +4,8 @@ A check launches the learner's function once per world size (every test case
 runs inside that one launch), brings home what each rank saw -- its tensors and
 the calls its CommRecorder recorded -- and judges it in the notebook's process.
 Judging reads behaviour and recorded communication only, never source text.
+An exercise answered with a whole script (``ScriptExercise``) runs that script
+under torchrun instead and judges what it leaves behind.
 
 On a rank, ``call_learner`` runs the learner's function and turns an exception
 into an ``ExerciseError`` that says which rank, in which test case, and for a
@@ -17,12 +19,14 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from dtlab.core.comm import BYTES, END, OP, PEER
+from dtlab.core.comm import ASYNC, BYTES, END, OP, PEER, START
 from dtlab.core.failures import RankError, RankFailure
 from dtlab.instrument.recorder import active
 from dtlab.launch.local import launch
@@ -60,11 +64,19 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class Call:
-    """One recorded communication call of the learner's: the op, the bytes it carried and its peer (or root)."""
+    """One recorded communication call of the learner's: the op, the bytes it carried and its peer (or root).
+
+    ``start`` is when it was issued and ``end`` when it was seen complete (None: never waited on), on the
+    rank's ``time.perf_counter()`` clock, which every process of one machine shares; ``is_async`` says
+    whether it returned a work to wait on (``async_op=True``, ``isend``, ``irecv``).
+    """
 
     op: str
     nbytes: int
     peer: int | None
+    start: float = 0.0
+    end: float | None = None
+    is_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,9 +93,28 @@ class Exercise:
     on_rank: Callable[..., Any]
     judge: Callable[[int, list[Any]], str | None]
     summary: Callable[[dict[int, list[Any]]], str]
-    solution: Callable[..., None]
-    stub: Callable[..., None]
+    solution: Callable[..., Any]
+    stub: Callable[..., Any]
     world_sizes: tuple[int, ...] = (2, 3, 4)
+    allowed_world_sizes: tuple[int, ...] | None = None  # None: any world size >= 2
+
+
+@dataclass(frozen=True)
+class ScriptExercise:
+    """An exercise answered with a whole script file, not a function: ``check(name, path)``.
+
+    ``run(script, world_sizes, timeout_s)`` runs the script at each world size
+    and returns the verdict; ``solution`` and ``stub`` are paths of scripts (the
+    reference, and a starter that fails the check saying what to write).
+    """
+
+    name: str
+    description: str
+    run: Callable[[Path, Sequence[int], float], CheckResult]
+    solution: str
+    stub: str
+    world_sizes: tuple[int, ...] = (2,)
+    allowed_world_sizes: tuple[int, ...] | None = None
 
 
 class ExerciseError(RuntimeError):
@@ -102,9 +133,20 @@ def call_learner(fn: Callable[..., Any], *args: Any, where: str) -> tuple[Any, t
     first = len(recorder.events)
     try:
         value = fn(*args)
+    except ExerciseError:
+        raise
     except Exception as exc:
         raise ExerciseError(_explain(exc, recorder.events[first:], where)) from exc
-    return value, tuple(Call(ev[OP], int(ev[BYTES]), ev[PEER]) for ev in recorder.events[first:])
+    return value, tuple(Call(ev[OP], int(ev[BYTES]), ev[PEER], ev[START], ev[END], bool(ev[ASYNC]))
+                        for ev in recorder.events[first:])
+
+
+def recorder_now() -> float:
+    """The CommRecorder's clock (the one ``Call.start`` is on): a checker notes its own moments with it."""
+    recorder = active()
+    if recorder is None:
+        raise RuntimeError("dtlab.exercises needs the CommRecorder: launch with record=True")
+    return recorder.now()
 
 
 def _explain(exc: Exception, events: list[list[Any]], where: str) -> str:
@@ -212,12 +254,28 @@ def _culprit(err: RankError) -> RankFailure:
 
 
 # -- shared helpers ----------------------------------------------------------------------------------------------
-def check_world_sizes(exercise: Exercise, world_sizes: Sequence[int] | None) -> tuple[int, ...]:
+def check_world_sizes(exercise: Exercise | ScriptExercise, world_sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """The world sizes to check at: the exercise's default, or the caller's if the exercise can run them."""
     sizes = tuple(exercise.world_sizes if world_sizes is None else world_sizes)
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in sizes):
         raise ValueError(f"world_sizes={world_sizes!r} is invalid: give integers >= 2 (default "
                          f"{exercise.world_sizes})")
+    allowed = exercise.allowed_world_sizes
+    if allowed is not None and any(n not in allowed for n in sizes):
+        raise ValueError(f"world_sizes={world_sizes!r} is invalid: {exercise.name} runs at world sizes "
+                         f"{', '.join(map(str, allowed))} (default {exercise.world_sizes})")
     return sizes
+
+
+def script_path(name: str, path: Any) -> Path:
+    """The learner's script file for a ``ScriptExercise``: a path that exists (TypeError, FileNotFoundError)."""
+    if callable(path) or not isinstance(path, str | os.PathLike):
+        raise TypeError(f"check({name!r}, path) needs the path of your script file (a .py file); got {path!r}")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"check({name!r}, path): there is no file at {str(file)!r}; write your script "
+                                f"there first (in a notebook: %%writefile {file.name})")
+    return file.resolve()
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -239,6 +297,17 @@ def ops_used(calls: Sequence[Call]) -> str:
 def ordinal(k: int) -> str:
     suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
     return f"{k}{suffix}"
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter, flattened into one tensor (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every p.grad, flattened into one tensor (a copy; zeros for a parameter without one)."""
+    return torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                      for p in model.parameters()]).clone()
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.core.models import mlp
-from dtlab.exercises._check import Call, Exercise, call_learner, max_abs, ops_used
+from dtlab.exercises._check import Call, Exercise, call_learner, flat_grads, flat_params, max_abs, ops_used
 
 GLOBAL_BATCH = 24  # divisible by 2, 3 and 4: every rank gets an equal shard
 FEATURES, CLASSES, WIDTH = 8, 4, 16
@@ -76,16 +76,6 @@ def _batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torc
     return x[shard], y[shard]
 
 
-def _params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def _grads(model: nn.Module) -> torch.Tensor:
-    """Every p.grad, flattened into one tensor (zeros for a parameter without one)."""
-    return torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                      for p in model.parameters()]).clone()
-
-
 @functools.lru_cache(maxsize=1)
 def reference() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """One process on the whole batch: (the gradient at each step, the parameters after each step)."""
@@ -96,9 +86,9 @@ def reference() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         opt.zero_grad()
         x, y = _batch(step)
         F.cross_entropy(model(x), y).backward()
-        grads.append(_grads(model))
+        grads.append(flat_grads(model))
         opt.step()
-        params.append(_params(model))
+        params.append(flat_params(model))
     return tuple(grads), tuple(params)
 
 
@@ -121,11 +111,11 @@ def on_rank(info: Any, fn: Any) -> list[Step]:
         opt.zero_grad()
         x, y = _batch(step, info.rank, info.world_size)
         F.cross_entropy(model(x), y).backward()
-        local = _grads(model)
+        local = flat_grads(model)
         _, calls = call_learner(fn, model, where=f"in step {step}")
-        synced = _grads(model)
+        synced = flat_grads(model)
         opt.step()
-        steps.append(Step(local, synced, _params(model), calls))
+        steps.append(Step(local, synced, flat_params(model), calls))
     return steps
 
 

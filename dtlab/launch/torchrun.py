@@ -86,7 +86,7 @@ def torchrun_command(workdir: Path | str, nproc_per_node: int, *, nnodes: str = 
             *extra, "-m", "dtlab.launch.worker", str(workdir)]
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def kill_session(proc: subprocess.Popen) -> None:
     """torchrun, its agent and every worker: everything in the session, and any strays."""
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
@@ -230,7 +230,7 @@ class _Agents:
             self._watch()
         except KeyboardInterrupt:
             for p in self.procs.values():
-                _kill_session(p)
+                kill_session(p)
             raise
         finally:
             self._teardown()
@@ -281,7 +281,7 @@ class _Agents:
     def _teardown(self) -> None:
         for p in self.procs.values():
             if p.poll() is None or self.note or self.stopped:
-                _kill_session(p)
+                kill_session(p)
         self.relay.poll()  # what arrived after the last poll
         self.bar.close()
 

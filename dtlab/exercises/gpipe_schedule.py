@@ -1,0 +1,303 @@
+"""Exercise ``gpipe_schedule``: GPipe's schedule, M micro-batches through S pipeline stages with point-to-point.
+
+Pipeline parallelism cuts the model into S consecutive slices (*stages*), one
+per rank: rank 0 holds the first layers, rank S - 1 the last ones and the
+loss. Activations go forward from rank s to s + 1; in backward, the gradient of
+those activations comes back from s + 1 to s. A whole batch at a time would
+leave all stages but one idle, so GPipe (Huang et al., 2019) splits the batch
+into M *micro-batches* and runs
+
+1. **all M forwards**: stage s runs micro-batch m as soon as it has it, and
+   passes the output on while the previous stage already works on m + 1;
+2. **all M backwards**, last micro-batch first: each stage calls
+   ``output.backward(gradient)`` with the gradient received from the next stage
+   and sends its input's gradient to the previous one.
+
+The parameters' gradients accumulate over the micro-batches. Scaling each
+micro-batch's mean loss by 1/M makes their sum the whole batch's mean loss, so
+the gradients equal one process running the whole model on the whole batch.
+Every stage keeps all M micro-batches' activations until their backward: that
+memory is GPipe's cost (1F1B interleaves the backwards to free them sooner). The
+``pipeline`` tier runs these schedules with ``torch.distributed.pipelining``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.exercises._check import POINT_TO_POINT, SENDS, Call, Exercise, call_learner, flat_grads, max_abs, ops_used
+
+WIDTHS = (8, 16, 12, 10, 4)  # Linear 8 -> 16, Tanh, 16 -> 12, Tanh, 12 -> 10, Tanh, 10 -> 4
+SPLITS = {2: (0, 4, 7), 3: (0, 2, 4, 7), 4: (0, 2, 4, 6, 7)}  # stage r runs modules SPLITS[n][r]:SPLITS[n][r + 1]
+BATCH = 12  # divisible by 3 and 4
+CASES = ((4, 0), (3, 1))  # (M micro-batches, the batch's seed)
+TOL = 1e-5
+
+DESCRIPTION = (
+    "Write fn(stage: torch.nn.Module, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None, "
+    "loss_fn) -> torch.Tensor | None: one training step of a GPipe pipeline, with point-to-point calls. Rank r runs "
+    "stage r of n = dist.get_world_size(), a slice of one model (rank 0 the first layers, rank n - 1 the last), and "
+    "M = len(micro_batches). On rank 0 micro_batches holds the M micro-batches of the input; on every other rank, M "
+    "empty tensors shaped like the activations it receives from rank r - 1: receive into them (dist.recv("
+    "micro_batches[m], src=r - 1)) and call requires_grad_() on them, so that backward gives their gradient. "
+    "targets holds the M targets on the last rank, None elsewhere. First all M forwards, in order: run the stage on "
+    "micro-batch m, send the output to rank r + 1 (output.detach()) and keep input and output; the last stage "
+    "computes loss_fn(output, targets[m]) / M instead (loss_fn gives a micro-batch's mean loss). Then all M "
+    "backwards, last micro-batch first: the last stage calls backward on its scaled loss, the others receive the "
+    "gradient of their output from rank r + 1 (into torch.empty_like(output)) and call output.backward(gradient); "
+    "every stage but the first sends its input's .grad to rank r - 1. The gradients accumulate in the stage's "
+    "parameters (the checker zeroed them). Return the batch's loss (the sum of the M scaled losses) on the last "
+    "rank, None elsewhere. Use only point-to-point calls (send, recv, isend, irecv, batch_isend_irecv); gloo's send "
+    "waits for its receiver, and sends and receives in the order above always meet. Checked at world sizes 2 and 3 "
+    f"with M = {CASES[0][0]} and M = {CASES[1][0]} ({BATCH} samples): every stage's gradients and the returned loss "
+    f"against one process running the whole model on the whole batch (within {TOL:g}); point-to-point calls only, "
+    "between neighbours; M activations forward and M gradients back across every boundary; and GPipe's order: on "
+    "every rank, all its forward transfers before any backward transfer."
+)
+
+
+def gpipe_schedule(stage: nn.Module, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """The reference: all forwards (activations to rank + 1), then all backwards in reverse (gradients to rank - 1)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    first, last, m_count = rank == 0, rank == n - 1, len(micro_batches)
+    inputs, outputs = [], []
+    for m, x in enumerate(micro_batches):  # forward, micro-batch by micro-batch
+        if not first:
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_()  # so that backward leaves the gradient for rank - 1 in x.grad
+        y = stage(x)
+        if last:
+            y = loss_fn(y, targets[m]) / m_count  # the batch's mean loss is the mean of the micro-batches' means
+        else:
+            dist.send(y.detach(), dst=rank + 1)
+        inputs.append(x)
+        outputs.append(y)
+    for m in reversed(range(m_count)):  # backward, last micro-batch first; the parameters' gradients accumulate
+        if last:
+            outputs[m].backward()
+        else:
+            grad = torch.empty_like(outputs[m])
+            dist.recv(grad, src=rank + 1)
+            outputs[m].backward(grad)
+        if not first:
+            dist.send(inputs[m].grad, dst=rank - 1)
+    return torch.stack(outputs).sum().detach() if last else None
+
+
+def stub(stage: nn.Module, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None,
+         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """A starting point: replace the body (see ``describe('gpipe_schedule')``)."""
+    raise NotImplementedError(
+        "write GPipe: all M forwards first (receive micro-batch m from rank r - 1 unless r is 0, run the stage, send "
+        "the output to rank r + 1, or on the last rank compute loss_fn(output, targets[m]) / M), then all M "
+        "backwards, last micro-batch first (receive the output's gradient from rank r + 1, output.backward(it), "
+        "send the input's .grad to rank r - 1)")
+
+
+# -- the run both sides share ------------------------------------------------------------------------------------
+def _model() -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for i, (n_in, n_out) in enumerate(zip(WIDTHS, WIDTHS[1:])):
+            layers += [nn.Linear(n_in, n_out)] + ([nn.Tanh()] if i < len(WIDTHS) - 2 else [])
+        return nn.Sequential(*layers)
+
+
+def _stage(model: nn.Sequential, n: int, r: int) -> nn.Sequential:
+    return nn.Sequential(*list(model)[SPLITS[n][r]:SPLITS[n][r + 1]])
+
+
+def _in_width(n: int, r: int) -> int:
+    """How many features stage r of n receives per sample."""
+    return _model()[SPLITS[n][r]].in_features
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3000 + seed)
+    return torch.randn(BATCH, WIDTHS[0], generator=gen), torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen)
+
+
+@functools.cache
+def reference(n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], float]:
+    """One process, the whole model on the whole batch: (each stage's flat gradients, the mean loss)."""
+    model = _model()
+    x, y = _batch(seed)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return tuple(flat_grads(_stage(model, n, r)) for r in range(n)), float(loss.detach())
+
+
+# -- on a rank ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One rank's step with M micro-batches: its stage's gradients, the loss it returned (or what), its calls."""
+
+    micro: int
+    grads: torch.Tensor
+    loss: float | None
+    returned: str
+    calls: tuple[Call, ...]
+
+
+def on_rank(info: Any, fn: Any) -> list[Case]:
+    rank, n = info.rank, info.world_size
+    cases = []
+    for m, seed in CASES:
+        stage = _stage(_model(), n, rank)
+        x, y = _batch(seed)
+        if rank == 0:
+            micro_batches = [part.clone() for part in x.tensor_split(m)]
+        else:
+            micro_batches = [torch.empty(BATCH // m, _in_width(n, rank)) for _ in range(m)]
+        targets = [part.clone() for part in y.tensor_split(m)] if rank == n - 1 else None
+        returned, calls = call_learner(fn, stage, micro_batches, targets, F.cross_entropy,
+                                       where=f"with {m} micro-batches")
+        scalar = isinstance(returned, torch.Tensor) and returned.numel() == 1
+        cases.append(Case(m, flat_grads(stage), float(returned.detach()) if scalar else None,
+                          repr(returned) if returned is None else type(returned).__name__, calls))
+    return cases
+
+
+# -- judging -----------------------------------------------------------------------------------------------------
+def judge(n: int, ranks: list[list[Case]]) -> str | None:
+    for i, (m, seed) in enumerate(CASES):
+        case = [cases[i] for cases in ranks]
+        problem = (_collective(m, case) or _neighbours(m, case) or _transfers(n, m, case) or _schedule(m, case)
+                   or _gradients(n, m, seed, case) or _loss(n, m, seed, case))
+        if problem:
+            return problem
+    return None
+
+
+def _collective(m: int, case: list[Case]) -> str | None:
+    for r, c in enumerate(case):
+        for call in c.calls:
+            if call.op not in POINT_TO_POINT:
+                return (f"rank {r} called dist.{call.op} with {m} micro-batches: a pipeline passes activations "
+                        "forward and gradients back between neighbouring stages with point-to-point calls only "
+                        "(send, recv, isend, irecv, batch_isend_irecv); no collective, not even a barrier.")
+    return None
+
+
+def _neighbours(m: int, case: list[Case]) -> str | None:
+    for r, c in enumerate(case):
+        for call in c.calls:
+            verb = "sent to" if call.op in SENDS else "received from"
+            if call.peer is None:
+                return (f"rank {r} received from any rank (src=None) with {m} micro-batches: name the neighbour "
+                        f"(rank {r - 1} for activations, rank {r + 1} for gradients).")
+            if call.peer not in (r - 1, r + 1):
+                return (f"rank {r} {verb} rank {call.peer} with {m} micro-batches: a stage talks only to its "
+                        "neighbours, activations going from rank r to r + 1 and gradients from r + 1 back to r.")
+    return None
+
+
+def _transfers(n: int, m: int, case: list[Case]) -> str | None:
+    rows = BATCH // m
+    for s in range(n - 1):  # the boundary between stage s and s + 1
+        width = _in_width(n, s + 1)
+        nbytes = rows * width * 4
+        for src, dst, what in ((s, s + 1, "activations forward"), (s + 1, s, "gradients back")):
+            sent = [call.nbytes for call in case[src].calls if call.op in SENDS and call.peer == dst]
+            if len(sent) == m and all(b == nbytes for b in sent):
+                continue
+            carried = f" carrying {', '.join(f'{b:,}' for b in sent)} bytes" if sent else ""
+            return (f"rank {src} sent {len(sent)} tensor{'s' * (len(sent) != 1)} to rank {dst} with {m} "
+                    f"micro-batches{carried}; the {what} cross every boundary once per micro-batch: {m} sends of "
+                    f"{nbytes:,} bytes ({rows} samples × {width} features, float32) from rank {src} to rank {dst}.")
+    return None
+
+
+def _kind(call: Call, r: int) -> str:
+    """'forward' (activations: sent to r + 1, received from r - 1) or 'backward' (gradients, the other way)."""
+    return "forward" if (call.peer == r + 1) == (call.op in SENDS) else "backward"
+
+
+def _when(call: Call) -> float:
+    """When a transfer happened on its rank: a send when issued, a receive when it completed (its data was there)."""
+    return call.start if call.op in SENDS or call.end is None else call.end
+
+
+def _says(call: Call, r: int, k: int = 0) -> str:
+    """What a transfer of rank r was, in words; ``k``: which micro-batch (for activations)."""
+    if _kind(call, r) == "forward":
+        return (f"sent micro-batch {k}'s activations to rank {r + 1}" if call.op in SENDS
+                else f"received micro-batch {k}'s activations from rank {r - 1}")
+    return f"sent a gradient to rank {r - 1}" if call.op in SENDS else f"received a gradient from rank {r + 1}"
+
+
+def _schedule(m: int, case: list[Case]) -> str | None:
+    for r, c in enumerate(case):
+        backward = [call for call in c.calls if _kind(call, r) == "backward"]
+        if not backward:
+            continue
+        first_back = min(backward, key=_when)
+        for call in c.calls:
+            if _kind(call, r) == "forward" and _when(call) > _when(first_back):
+                same = [x for x in c.calls if (x.op in SENDS) == (call.op in SENDS) and x.peer == call.peer]
+                k = next(i for i, x in enumerate(same) if x is call)
+                return (f"rank {r} {_says(first_back, r)} before it {_says(call, r, k)}, with {m} micro-batches: "
+                        f"that is not GPipe's schedule. GPipe runs the forwards of all {m} micro-batches first, each "
+                        "stage passing its activations on, and only then their backwards, last micro-batch first: "
+                        "a stage starts its first backward once its last forward is done.")
+    return None
+
+
+def _gradients(n: int, m: int, seed: int, case: list[Case]) -> str | None:
+    ref, _ = reference(n, seed)
+    for r, c in enumerate(case):
+        err = max_abs(c.grads, ref[r])
+        if err <= TOL:
+            continue
+        if max_abs(c.grads, ref[r] * m) <= TOL * m:
+            return (f"stage {r}'s gradients are {m}× the whole batch's with {m} micro-batches: scale each "
+                    f"micro-batch's loss by 1/M (1/{m}) before its backward. loss_fn gives a micro-batch's mean "
+                    "loss, and the batch's mean loss is the mean of the M of them.")
+        if not bool(c.grads.any()):
+            return (f"stage {r}'s parameters got no gradient with {m} micro-batches: every stage runs backward for "
+                    "every micro-batch (the last from its scaled loss, the others from the gradient received from "
+                    "the next stage).")
+        return (f"stage {r}'s gradients differ by {err:.1e} from one process running the whole model on the whole "
+                f"batch, with {m} micro-batches: each micro-batch's backward must start from the gradient of the "
+                "very activations that went forward (keep every micro-batch's input and output until its "
+                "backward), and the gradients accumulate over the micro-batches (no zero_grad in between).")
+    return None
+
+
+def _loss(n: int, m: int, seed: int, case: list[Case]) -> str | None:
+    _, ref_loss = reference(n, seed)
+    last = case[n - 1]
+    if last.loss is None:
+        return (f"the last stage (rank {n - 1}) returned {last.returned} with {m} micro-batches: return the "
+                "batch's loss, the sum of the M scaled micro-batch losses (a tensor with one element).")
+    if abs(last.loss - ref_loss) > TOL:
+        return (f"the last stage returned a loss of {last.loss:.6g} with {m} micro-batches; the whole batch's mean "
+                f"loss is {ref_loss:.6g}: return the sum of the M micro-batch losses, each divided by M.")
+    return None
+
+
+def summary(records: dict[int, list[list[Case]]]) -> str:
+    worst = max(max_abs(c.grads, reference(n, CASES[i][1])[0][r]) for n, ranks in records.items()
+                for r, cases in enumerate(ranks) for i, c in enumerate(cases))
+    m, n = CASES[0][0], min(records)
+    per_rank = "; ".join(f"rank {r}: {ops_used(cases[0].calls)}" for r, cases in enumerate(records[n]))
+    return (f"with {' and '.join(str(m) for m, _ in CASES)} micro-batches at world sizes "
+            f"{', '.join(map(str, records))}, every stage's gradients matched one process running the whole model on "
+            f"the whole batch (largest difference {worst:.1g}) and the last stage returned the batch's loss. Every "
+            "rank used point-to-point calls with its neighbours only, M activations forward and M gradients back "
+            "across every boundary, all forward transfers before any backward transfer. The calls at "
+            f"n={n} with M={m}: {per_rank}.")
+
+
+EXERCISE = Exercise("gpipe_schedule", DESCRIPTION, on_rank, judge, summary, gpipe_schedule, stub, world_sizes=(2, 3),
+                    allowed_world_sizes=(2, 3, 4))
