@@ -5,10 +5,11 @@ state is touched: they render headless (Agg) and display in notebooks when retur
 as a cell's value. All figures are sized for a notebook (7.5 inches wide).
 """
 
+from dtlab.plots.crossover import speedup_curve
 from dtlab.plots.network import bandwidth, elastic_timeline, link_sweep, predicted_vs_measured, sweep
 from dtlab.plots.runs import gantt, loss_curves, memory_breakdown, speedup, step_breakdown, timeline
 from dtlab.plots.style import LINESTYLES, MEMORY_COLORS, PHASE_COLORS, TIER_PALETTE, WIDTH, save
 
 __all__ = ["LINESTYLES", "MEMORY_COLORS", "PHASE_COLORS", "TIER_PALETTE", "WIDTH", "bandwidth", "elastic_timeline",
            "gantt", "link_sweep", "loss_curves", "memory_breakdown", "predicted_vs_measured", "save", "speedup",
-           "step_breakdown", "sweep", "timeline"]
+           "speedup_curve", "step_breakdown", "sweep", "timeline"]
