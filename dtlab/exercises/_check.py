@@ -316,3 +316,18 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
         return math.inf
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
+
+
+def sgd_reference(model: nn.Module, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int,
+                  lr: float) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """One process on the whole batch with SGD: (the gradient at each step, the parameters after each step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads, params = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads.append(flat_grads(model))
+        opt.step()
+        params.append(flat_params(model))
+    return tuple(grads), tuple(params)

@@ -48,6 +48,7 @@ from dtlab.exercises._check import (
     flat_params,
     max_abs,
     recorder_now,
+    sgd_reference,
 )
 
 WIDTHS = (16, 32, 24, 12, 4)  # Linear layers 16 -> 32 -> 24 -> 12 -> 4: gradients of very different sizes
@@ -164,17 +165,7 @@ def _batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torc
 @functools.lru_cache(maxsize=1)
 def reference() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """One process on the whole batch: (the gradient at each step, the parameters after each step)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads, params = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(step)
-        F.cross_entropy(model(x), y).backward()
-        grads.append(flat_grads(model))
-        opt.step()
-        params.append(flat_params(model))
-    return tuple(grads), tuple(params)
+    return sgd_reference(_model(), _batch, STEPS, LR)
 
 
 # -- on a rank ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlab.core.models import mlp
-from dtlab.exercises._check import Call, Exercise, call_learner, flat_grads, flat_params, max_abs, ops_used
+from dtlab.exercises._check import (
+    Call,
+    Exercise,
+    call_learner,
+    flat_grads,
+    flat_params,
+    max_abs,
+    ops_used,
+    sgd_reference,
+)
 
 GLOBAL_BATCH = 24  # divisible by 2, 3 and 4: every rank gets an equal shard
 FEATURES, CLASSES, WIDTH = 8, 4, 16
@@ -79,17 +88,7 @@ def _batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torc
 @functools.lru_cache(maxsize=1)
 def reference() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """One process on the whole batch: (the gradient at each step, the parameters after each step)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads, params = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(step)
-        F.cross_entropy(model(x), y).backward()
-        grads.append(flat_grads(model))
-        opt.step()
-        params.append(flat_params(model))
-    return tuple(grads), tuple(params)
+    return sgd_reference(_model(), _batch, STEPS, LR)
 
 
 # -- checking ----------------------------------------------------------------------------------------------------
