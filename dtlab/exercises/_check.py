@@ -331,3 +331,12 @@ def sgd_reference(model: nn.Module, batch: Callable[[int], tuple[torch.Tensor, t
         opt.step()
         params.append(flat_params(model))
     return tuple(grads), tuple(params)
+
+
+def first_collective(calls_per_rank: Sequence[Sequence[Call]]) -> tuple[int, Call] | None:
+    """The first call that is not point-to-point, and its rank (None if every call is)."""
+    for rank, calls in enumerate(calls_per_rank):
+        for call in calls:
+            if call.op not in POINT_TO_POINT:
+                return rank, call
+    return None

@@ -33,7 +33,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.exercises._check import POINT_TO_POINT, SENDS, Call, Exercise, call_learner, flat_grads, max_abs, ops_used
+from dtlab.exercises._check import (
+    SENDS,
+    Call,
+    Exercise,
+    call_learner,
+    first_collective,
+    flat_grads,
+    max_abs,
+    ops_used,
+)
 
 WIDTHS = (8, 16, 12, 10, 4)  # Linear 8 -> 16, Tanh, 16 -> 12, Tanh, 12 -> 10, Tanh, 10 -> 4
 SPLITS = {2: (0, 4, 7), 3: (0, 2, 4, 7), 4: (0, 2, 4, 6, 7)}  # stage r runs modules SPLITS[n][r]:SPLITS[n][r + 1]
@@ -180,13 +189,13 @@ def judge(n: int, ranks: list[list[Case]]) -> str | None:
 
 
 def _collective(m: int, case: list[Case]) -> str | None:
-    for r, c in enumerate(case):
-        for call in c.calls:
-            if call.op not in POINT_TO_POINT:
-                return (f"rank {r} called dist.{call.op} with {m} micro-batches: a pipeline passes activations "
-                        "forward and gradients back between neighbouring stages with point-to-point calls only "
-                        "(send, recv, isend, irecv, batch_isend_irecv); no collective, not even a barrier.")
-    return None
+    found = first_collective([c.calls for c in case])
+    if found is None:
+        return None
+    r, call = found
+    return (f"rank {r} called dist.{call.op} with {m} micro-batches: a pipeline passes activations "
+            "forward and gradients back between neighbouring stages with point-to-point calls only "
+            "(send, recv, isend, irecv, batch_isend_irecv); no collective, not even a barrier.")
 
 
 def _neighbours(m: int, case: list[Case]) -> str | None:

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from dtlab.exercises._check import (
-    POINT_TO_POINT,
     RECEIVES,
     SENDS,
     Call,
     Exercise,
     call_learner,
     ceil_div,
+    first_collective,
     ops_used,
     sent_bytes,
 )
@@ -118,13 +118,13 @@ def judge(n: int, ranks: list[list[Case]]) -> str | None:
 
 
 def _collective(case: list[Case]) -> str | None:
-    for r, c in enumerate(case):
-        for call in c.calls:
-            if call.op not in POINT_TO_POINT:
-                return (f"rank {r} called dist.{call.op} with {c.length} elements: this exercise allows only "
-                        "point-to-point calls (send, recv, isend, irecv, batch_isend_irecv), since the point is "
-                        "to build all_reduce out of them.")
-    return None
+    found = first_collective([c.calls for c in case])
+    if found is None:
+        return None
+    r, call = found
+    return (f"rank {r} called dist.{call.op} with {case[r].length} elements: this exercise allows only "
+            "point-to-point calls (send, recv, isend, irecv, batch_isend_irecv), since the point is "
+            "to build all_reduce out of them.")
 
 
 def _wrong_values(case: list[Case], n: int) -> str | None:
