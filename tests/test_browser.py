@@ -1,4 +1,4 @@
-"""As a person would: JupyterLab in headless Chromium runs notebook 10, changes the tier, presses Run.
+"""As a person would: JupyterLab in headless Chromium runs notebook 11, changes the tier, presses Run.
 
 Needs Debian's chromium and the playwright package (its own browser download is
 not used: Playwright drives /usr/bin/chromium). Where they are missing the test
@@ -139,7 +139,7 @@ def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/lab/tree/10_compare.ipynb?token={token}", timeout=60_000)
+            page.goto(f"{url}/lab/tree/11_compare.ipynb?token={token}", timeout=60_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
             # The panel appears once every cell above it has run; it is below the fold. A kernel chosen in a

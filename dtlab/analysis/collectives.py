@@ -1,6 +1,6 @@
 """Collective sweeps: time and bus bandwidth against message size, by the nccl-tests definitions.
 
-One module serves notebook 09, ``benchmarks/collective_bandwidth.py`` and the
+One module serves notebook 02, ``benchmarks/collective_bandwidth.py`` and the
 cost model's calibration (``costmodel.calibrate``). Times come from the
 CommRecorder's own events, so what is plotted is exactly what the recorder
 sees in training runs. The machine's memory-copy bandwidth, measured in the
