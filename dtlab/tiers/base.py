@@ -4,7 +4,7 @@ The training loop calls only these methods, so it never knows which tier
 runs. A tier overrides the few it needs. In order, per rank:
 
     wrap -> make_optimizer -> for each step: on_step_start, (no_sync) forward/backward
-    or run_step, sync_gradients, optimizer step, on_step_end -> finish; on_error if
+    or run_step, sync_gradients, optimizer step, on_step_end -> memory, finish; on_error if
     anything raised.
 """
 
@@ -82,6 +82,11 @@ class Strategy:
 
     def on_error(self, exc: BaseException) -> None:
         """Anything raised on this rank, before it propagates (e.g. to shrink the next attempt's batch)."""
+
+    def memory(self) -> dict[str, int]:
+        """Memory kinds (bytes) this strategy measured itself, after the last step; the loop merges them
+        into ``RankResult.memory``, over its own figure for the same kind. See ``dtlab.core.memory``."""
+        return {}
 
     def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The whole model's state (complete at least on rank 0) and rank 0's held-out evaluation.

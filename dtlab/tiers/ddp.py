@@ -23,6 +23,7 @@ from dtlab.core.compat import ddp_bucket_sizes
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
+from dtlab.core.memory import tensor_bytes
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.ddp_hooks import allreduce_hook, recording_hook
 from dtlab.instrument.recorder import active
@@ -101,6 +102,7 @@ class Strategy(base.Strategy):
         self.options: Options = cfg.tier_options
         self.accumulation_steps = self.options.accumulation_steps
         self.ddp: DistributedDataParallel | None = None
+        self.hook_state: Any = None  # the comm hook's state (PowerSGD's matrices), if it has one
         o = self.options
         # Tiers built on ddp whose options have no checkpoint knobs (zero, elastic) save nothing here.
         self.checkpoints = checkpoint.Periodic(getattr(o, "checkpoint_dir", ""), getattr(o, "checkpoint_every", 0),
@@ -121,6 +123,7 @@ class Strategy(base.Strategy):
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
         state, hook = comm_hook(self.options)
+        self.hook_state = state
         if active() is not None:  # recording: see each bucket (the hooks below record themselves)
             self.ddp.register_comm_hook(state, allreduce_hook if hook is None else recording_hook(hook))
         elif hook is not None:
@@ -142,12 +145,28 @@ class Strategy(base.Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def memory(self) -> dict[str, int]:
+        """``comm_buffers``: the reducer's buckets (one flat tensor each), unless the gradients are views
+        into them (``gradient_as_bucket_view``: counted once, as gradients), plus a PowerSGD hook's state."""
+        if self.ddp is None:
+            return {}
+        buckets = 0 if self.ddp.gradient_as_bucket_view else sum(ddp_bucket_sizes(self.ddp))
+        return {"comm_buffers": buckets + hook_state_bytes(self.hook_state)}
+
     def describe(self) -> dict[str, Any]:
         """The knobs and the bucket layout (``bucket_layout``: sizes as a list of ints) for RankResult.strategy."""
         if self.ddp is None:
             return {}
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
                 **bucket_layout(self.ddp), **self.checkpoints.describe()}
+
+
+def hook_state_bytes(state: Any) -> int:
+    """Tensors a comm hook keeps between steps: PowerSGD's error feedback and its P and Q matrices."""
+    if not isinstance(state, powerSGD_hook.PowerSGDState):
+        return 0
+    kept = [*state.error_dict.values(), *state.p_memory_dict.values(), *state.q_memory_dict.values()]
+    return tensor_bytes(kept)
 
 
 def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:

@@ -19,6 +19,7 @@ exposed; ``comm_exposure`` measures that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,8 +93,10 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> None:
+def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str], gathering: Callable[[str], None]) -> None:
     """Route each unit's all-gather and reduce-scatter through the CommRecorder's wrapped functions.
+
+    ``gathering(unit)`` is called just before each all-gather (for the memory count).
 
     FSDP2 in torch 2.13 calls ``dist.all_gather_single`` and ``dist.reduce_scatter_single``,
     which the recorder does not wrap; the custom comms call the equivalent
@@ -112,6 +115,7 @@ def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> No
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
+            gathering(self.unit)
             rec = active()
             if rec is None:
                 return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
@@ -138,6 +142,9 @@ def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str]) -> No
 
 
 class Strategy(base.Strategy):
+    # Count the all-gathered bytes (memory()): a unit is gathered while its parameters are plain tensors
+    counts_gathered = True
+
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
         self.options: Options = cfg.tier_options
@@ -148,6 +155,11 @@ class Strategy(base.Strategy):
         self._template: nn.Module | None = None
         self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
         self.gathered_after_forward = 0  # bytes of full parameters kept from forward to backward
+        self.gathered_peak = 0  # the most bytes of full parameters held at once (see gathering())
+        self._unit_params: dict[str, list[str]] = {}  # unit -> the names of the parameters it gathers
+        self._unit_bytes: dict[str, int] = {}  # unit -> bytes of its full parameters, in the compute dtype
+        self._counting = False  # count the gathered bytes (the first step only)
+        self._model: nn.Module | None = None
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -179,7 +191,9 @@ class Strategy(base.Strategy):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)  # always: the root schedules the others
         self.units = list(named.values())
-        _recording_comms(named, self._pass)
+        if self.counts_gathered:
+            self._count_units(model, named, dtype)
+        _recording_comms(named, self._pass, self.gathering)
 
         def forward_starts(*_: Any) -> None:
             self._pass["now"] = "forward"
@@ -196,6 +210,36 @@ class Strategy(base.Strategy):
         model.register_forward_hook(backward_follows)
         return model
 
+    def _count_units(self, model: nn.Module, named: dict[nn.Module, str], dtype: torch.dtype | None) -> None:
+        """Each unit's parameter names and full (unsharded) bytes, in the dtype it computes with."""
+        prefix = {unit: "" if unit is model else next(n for n, m in model.named_modules() if m is unit) + "."
+                  for unit in named}
+        owned = {f"{prefix[u]}{n}" for u in named if u is not model for n, _ in u.named_parameters()}
+        for unit, name in named.items():
+            names = [f"{prefix[unit]}{n}" for n, _ in unit.named_parameters()]
+            self._unit_params[name] = [n for n in names if unit is not model or n not in owned]
+        for name, params in self._unit_params.items():
+            tensors = [model.get_parameter(n) for n in params]
+            self._unit_bytes[name] = sum(p.numel() * (dtype or p.dtype).itemsize for p in tensors)
+        self._model = model
+
+    def gathering(self, unit: str) -> None:
+        """Just before ``unit``'s all-gather: the units still unsharded (their parameters are plain tensors,
+        not DTensor shards) plus this one are the full parameters held once it lands."""
+        if not self._counting or self._model is None:
+            return
+        get = self._model.get_parameter
+        held = sum(size for name, size in self._unit_bytes.items()
+                   if name != unit and not isinstance(get(self._unit_params[name][0]), DTensor))
+        self.gathered_peak = max(self.gathered_peak, held + self._unit_bytes.get(unit, 0))
+
+    def on_step_start(self, step: int) -> None:
+        self._counting = step == self.start_step  # the first step: the peak is the same every step
+
+    def memory(self) -> dict[str, int]:
+        """``comm_buffers``: the most bytes of all-gathered parameters held at once (``gathering``)."""
+        return {"comm_buffers": self.gathered_peak} if self.gathered_peak else {}
+
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
         # > 0 after resume_from: the loop starts after the step the checkpoint was saved at
@@ -203,6 +247,7 @@ class Strategy(base.Strategy):
         return optimizer
 
     def on_step_end(self, step: int) -> None:
+        self._counting = False
         self.checkpoints.after_step(step)
 
     # -- what the loop reads back (on every rank) --------------------------------------
@@ -226,7 +271,8 @@ class Strategy(base.Strategy):
                                "reshard_after_forward": self.options.reshard_after_forward,
                                "mixed_precision": self.options.mixed_precision,
                                "cpu_offload": self.options.cpu_offload,
-                               "gathered_after_forward_bytes": self.gathered_after_forward}
+                               "gathered_after_forward_bytes": self.gathered_after_forward,
+                               "unit_bytes": dict(self._unit_bytes)}
         return {**out, **self.checkpoints.describe()}
 
 

@@ -57,6 +57,7 @@ def validate(cfg: RunConfig) -> None:
 
 class Strategy(fsdp.Strategy):
     functional_collectives = True
+    counts_gathered = False  # every parameter is a DTensor here, gathered or not: no comm_buffers reported
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         o = cfg.tier_options

@@ -34,6 +34,7 @@ from dtlab.core import models
 from dtlab.core.compat import wrap_pipeline_stage_init
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
+from dtlab.core.memory import LiveActivations
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import active
 from dtlab.tiers import base
@@ -123,9 +124,11 @@ def split_model(model: nn.Module, stages: int, depth: int) -> list[nn.Module]:
 class _TimedStage(PipelineStage):
     """Records each micro-batch's forward and backward as phases, and sums their seconds per step
     (``compute_s``, reset by the strategy); ``offset`` numbers the naive schedule's micro-batches
-    (each of its one-micro-batch schedules calls its own 0)."""
+    (each of its one-micro-batch schedules calls its own 0). While ``live`` is set, what autograd
+    saves counts for the micro-batch whose forward ran last, until its backward ran."""
 
     offset = 0
+    live: LiveActivations | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -134,6 +137,8 @@ class _TimedStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
+            if self.live is not None:
+                self.live.begin(fwd_chunk_id + self.offset)  # and its loss, which the schedule computes next
             with _phase(f"pp_forward:{fwd_chunk_id + self.offset}"):
                 return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
@@ -145,6 +150,8 @@ class _TimedStage(PipelineStage):
             with _phase(f"pp_backward:{bwd_chunk_id + self.offset}"):
                 return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         finally:
+            if self.live is not None:
+                self.live.release(bwd_chunk_id + self.offset)  # autograd freed what this micro-batch saved
             self.compute_s["backward"] += time.perf_counter() - start
 
 
@@ -182,6 +189,8 @@ class Strategy(base.Strategy):
         self.first, self.last = self.stage_index == 0, self.stage_index == self.num_stages - 1
         self.full: nn.Module | None = None  # rank 0 keeps the whole model, to gather into and evaluate
         self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # per stage: its state's entries
+        self.count_activations = False  # during the first step: the peak of the activations held
+        self.activations_peak = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
         stages = split_model(model, self.num_stages, self.cfg.model_depth)
@@ -204,7 +213,26 @@ class Strategy(base.Strategy):
                            losses=losses if self.last else None, return_outputs=False)
         return losses
 
+    def on_step_start(self, step: int) -> None:
+        self.count_activations = step == self.start_step  # every step holds the same
+
     def run_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.count_activations:
+            return self._run_step(x, y)
+        self.pp_stage.live = LiveActivations(exclude=self.stage.parameters())
+        try:
+            with self.pp_stage.live:
+                return self._run_step(x, y)
+        finally:
+            self.activations_peak = self.pp_stage.live.peak
+            self.pp_stage.live = None
+
+    def memory(self) -> dict[str, int]:
+        """``activations``: the most bytes saved for backward held at once on this stage, over the
+        micro-batches in flight (GPipe: all M after the forwards; 1F1B: at most S - stage)."""
+        return {"activations": self.activations_peak}
+
+    def _run_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.pp_stage.compute_s = {"forward": 0.0, "backward": 0.0}
         m = self.options.microbatches
         if self.options.schedule == "naive":

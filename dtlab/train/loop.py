@@ -156,6 +156,7 @@ class _Loop:
             time.sleep(self.delay_s)
 
     def result(self) -> RankResult:
+        self.memory.update(self.strategy.memory())  # kinds the strategy measured: over the loop's own
         self.memory.update(peak_process_bytes(self.info.device))
         state, evaluation = self.strategy.finish(self.model, self.data)  # on every rank: may be a collective
         checksum = float(sum(t.detach().double().sum() for t in state.values() if t.is_floating_point()))
