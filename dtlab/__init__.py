@@ -22,6 +22,8 @@ def __getattr__(name: str) -> Any:  # dtlab.widgets on first use: ipywidgets is 
         return importlib.import_module("dtlab.app.widgets")
     if name == "exercises":
         return importlib.import_module("dtlab.exercises")
+    if name == "estimate":  # pandas and fake tensors: loaded when asked for
+        return importlib.import_module("dtlab.analysis.estimate").estimate
     if name == "predict":
         return importlib.import_module("dtlab.app.predict").predict
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")

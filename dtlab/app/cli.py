@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import exercises, plots, tiers
+from dtlab.analysis import estimate
 from dtlab.analysis.compare import compare, figures, format_table
 from dtlab.app.bench import run_all, update_readme
 from dtlab.core import options
@@ -278,6 +279,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """``estimate``: the job's predicted memory per rank (and step time where modelled), nothing launched."""
+    est = estimate.estimate(config_from_args(args, args.tier, args.world_size))
+    if args.json:
+        print(est.to_json())
+        return 0
+    print(f"{args.tier} x{args.world_size}, the rank that needs the most:")
+    for kind, nbytes in est.memory.items():
+        print(f"  {kind:16} {nbytes / 2**20:10.3f} MiB")
+    print(f"  {'peak (sum)':16} {est.peak_bytes / 2**20:10.3f} MiB")
+    print("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions))
+    return 0
+
+
 def cmd_exercises(args: argparse.Namespace) -> int:
     """``exercises``: each exercise's name and first sentence; with a name, its whole description."""
     if args.name is not None:
@@ -307,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_job_args(p_cmp)
     p_cmp.set_defaults(func=cmd_compare)
+    p_est = sub.add_parser("estimate", help="predict a run's memory per rank without starting it (the same flags "
+                           "as run)")
+    p_est.add_argument("--tier", default="single", help=f"one of {', '.join(tiers.TIERS)}")
+    p_est.add_argument("--world-size", type=int, default=1)
+    p_est.add_argument("--json", action="store_true", help="JSON: memory, peak_bytes, step_ms, assumptions, per_rank")
+    _add_job_args(p_est)
+    p_est.set_defaults(func=cmd_estimate)
     p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")
     p_bench.add_argument("--quick", action="store_true", help="smoke mode: checks each benchmark runs")
     p_bench.add_argument("--only", default="", help="comma-separated benchmark names")

@@ -1,0 +1,75 @@
+"""Predict a job's memory per rank before running it: ``dtlab.estimate(cfg)``, ``python -m dtlab estimate``.
+
+Nothing is launched: the model is built and run on fake tensors (shapes and
+dtypes only), so the estimate works for a user's own model and for sizes this
+machine could never hold. What comes back (``Estimate``):
+
+* ``memory``: kind -> bytes on the rank that needs the most (``per_rank`` has every rank);
+* ``peak_bytes``: that rank's kinds added up -- an upper bound on what it holds at once,
+  since activations are freed during backward while gradients fill in;
+* ``step_ms``: the predicted step time where the cost model covers the tier, else None;
+* ``assumptions``: what each number rests on, in words.
+
+The kinds are the ones a run measures (``RunResult.ranks[r].memory``), so
+``compare(estimate, result)`` lines prediction and measurement up kind by kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from dtlab.analysis.estimate.memory import RankMemory, per_rank
+from dtlab.core.config import RunConfig
+from dtlab.core.results import RunResult
+
+KINDS = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers")
+
+__all__ = ["KINDS", "Estimate", "compare", "estimate"]
+
+
+@dataclass
+class Estimate:
+    memory: dict[str, int]
+    peak_bytes: int
+    step_ms: float | None
+    assumptions: list[str]
+    per_rank: list[RankMemory] = field(repr=False, default_factory=list)
+
+    def to_json(self) -> str:
+        out = {"memory": self.memory, "peak_bytes": self.peak_bytes, "step_ms": self.step_ms,
+               "assumptions": self.assumptions,
+               "per_rank": [dataclasses.asdict(r) | {"total": r.total} for r in self.per_rank]}
+        return json.dumps(out, indent=2)
+
+
+def estimate(cfg: RunConfig) -> Estimate:
+    """The job's predicted memory per rank (and its largest rank's), without starting a process."""
+    ranks = per_rank(cfg)
+    top = max(ranks, key=lambda r: r.total)
+    notes = [f"tier {cfg.tier}, world size {cfg.world_size}, {cfg.model} width {cfg.model_size} depth "
+             f"{cfg.model_depth}, global batch {cfg.global_batch_size}, {cfg.precision}, optimizer {cfg.optimizer}",
+             "bytes counted from the tensors' shapes and dtypes, as a run counts its tensors (no allocator "
+             "overhead, no framework workspace)", *dict.fromkeys(a for r in ranks for a in r.assumptions)]
+    if cfg.activation_checkpointing:
+        notes.append("activation checkpointing: each block keeps only its input")
+    notes.append("step time: not predicted for this tier yet")
+    return Estimate({k: top.memory.get(k, 0) for k in KINDS}, top.total, None, notes, ranks)
+
+
+def compare(est: Estimate, result: RunResult) -> pd.DataFrame:
+    """Predicted against measured bytes per rank and kind, with the relative error."""
+    rows: list[dict[str, Any]] = []
+    for predicted, measured in zip(est.per_rank, result.ranks):
+        for kind in KINDS:
+            got = measured.memory.get(kind)
+            if got is None:
+                continue
+            want = predicted.memory.get(kind, 0)
+            error = (want - got) / got if got else (0.0 if want == 0 else float("inf"))
+            rows.append({"rank": predicted.rank, "kind": kind, "predicted": want, "measured": got, "error": error})
+    return pd.DataFrame(rows, columns=["rank", "kind", "predicted", "measured", "error"])

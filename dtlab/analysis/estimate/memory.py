@@ -1,0 +1,182 @@
+"""Bytes per rank by kind, predicted for a job without starting it.
+
+Kinds are the measured side's (``RankResult.memory``): ``parameters``,
+``gradients``, ``optimizer_state``, ``activations`` (what the forward saves for
+backward, at its peak: under a pipeline schedule, every micro-batch in flight on
+a stage) and ``comm_buffers`` (DDP's bucket buffers; FSDP's all-gathered units
+at their peak). Each tier's rule is a few lines, stated in its ``assumptions``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dtlab.analysis.estimate import activations as acts
+from dtlab.core.config import RunConfig
+from dtlab.tiers import fsdp as fsdp_tier
+from dtlab.tiers import pipeline
+
+ADAM_STEP_BYTES = 4  # Adam's per-parameter ``step`` is a float32 scalar tensor
+DDP_FAMILY = ("ddp", "multinode", "elastic")
+
+
+@dataclass
+class RankMemory:
+    """One rank's predicted bytes by kind, and the reasoning behind them."""
+
+    rank: int
+    memory: dict[str, int]
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.memory.values())
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor]) -> int:
+    """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing."""
+    if cfg.optimizer != "adam":
+        return 0
+    return sum(2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
+
+
+def shard_rows(t: torch.Tensor, world: int) -> int:
+    """FSDP2's padded dim-0 shard of ``t``: ceil(rows / world) rows on every rank."""
+    rows = t.shape[0] if t.dim() else 1
+    return math.ceil(rows / world) * (t.numel() // max(rows, 1)) * t.element_size()
+
+
+def local_rows(t: torch.Tensor, world: int, rank: int) -> int:
+    """Bytes of ``t``'s unpadded dim-0 chunk on ``rank`` (torch.chunk's split: the last ranks may hold less)."""
+    rows = t.shape[0] if t.dim() else 1
+    chunk = math.ceil(rows / world)
+    return max(0, min(chunk, rows - rank * chunk)) * (t.numel() // max(rows, 1)) * t.element_size()
+
+
+def zero_partition(params: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
+    """ZeroRedundancyOptimizer's partition: largest first, each to the rank holding the fewest elements."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    sizes = [0] * world
+    for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+        rank = sizes.index(min(sizes))
+        out[rank].append(p)
+        sizes[rank] += p.numel()
+    return out
+
+
+def accumulation(cfg: RunConfig) -> int:
+    return int(getattr(cfg.tier_options, "accumulation_steps", 1) or 1)
+
+
+def replicated(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
+    """single, ddp-naive and the DDP family: every rank holds the whole model, its gradients and its state."""
+    params = list(model.parameters())
+    p = sum(nbytes(t) for t in params)
+    micro = cfg.per_rank_batch // accumulation(cfg)
+    memory = {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(cfg, params),
+              "activations": acts.activation_bytes(cfg, s, micro), "comm_buffers": 0}
+    notes = [f"activations of one micro-batch of {micro} samples (the first step's first, as measured)"]
+    opts = cfg.tier_options
+    if cfg.tier in (*DDP_FAMILY, "zero") and not getattr(opts, "gradient_as_bucket_view", False):
+        memory["comm_buffers"] = p
+        notes.append("DDP's reducer keeps flat bucket buffers as large as the gradients "
+                     "(gradient_as_bucket_view=True makes the gradients views of them: counted once)")
+    return [RankMemory(r, dict(memory), notes) for r in range(cfg.world_size)]
+
+
+def zero(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
+    """DDP, with Adam's state split by ZeroRedundancyOptimizer's greedy partition of whole parameters."""
+    ranks = replicated(cfg, model, s)
+    for r, mine in zip(ranks, zero_partition(list(model.parameters()), cfg.world_size)):
+        r.memory["optimizer_state"] = optimizer_bytes(cfg, mine)
+        r.assumptions.append("optimizer state: whole parameters dealt out largest first to the emptiest rank")
+    return ranks
+
+
+def fsdp(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
+    """FSDP2: parameters, gradients and state sharded by rows; one unit per block plus the root."""
+    n = cfg.world_size
+    params = list(model.parameters())
+    shard = sum(shard_rows(t, n) for t in params)
+    memory = {"parameters": shard, "gradients": shard, "optimizer_state": 0,
+              "activations": acts.activation_bytes(cfg, s, cfg.per_rank_batch),
+              "comm_buffers": gathered_peak(cfg, model)}
+    notes = ["parameters and gradients split by rows, padded to ceil(rows / world) on every rank; the "
+             "optimizer's moments take the unpadded rows (the last ranks may hold fewer)",
+             "comm_buffers: the unsharded parameters held at once while the forward runs"]
+    ranks = []
+    for r in range(n):
+        state = 0 if cfg.optimizer != "adam" else sum(2 * local_rows(t, n, r) + ADAM_STEP_BYTES for t in params)
+        ranks.append(RankMemory(r, memory | {"optimizer_state": state}, notes))
+    return ranks
+
+
+def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The fsdp tier's units in forward order (``fsdp.shard_units``), then the root with what is left."""
+    units = [list(m.parameters()) for _, m in fsdp_tier.shard_units(model)]
+    inside = {id(p) for unit in units for p in unit}
+    return [*units, [p for p in model.parameters() if id(p) not in inside]]
+
+
+def gathered_peak(cfg: RunConfig, model: nn.Module) -> int:
+    """Unsharded bytes held at once: the root unit, and one block with the next one prefetched
+    (with ``reshard_after_forward=False``, every block once the forward has run)."""
+    units = [sum(nbytes(p) for p in unit) for unit in fsdp_units(model)]
+    blocks, root = units[:-1], units[-1]
+    if not getattr(cfg.tier_options, "reshard_after_forward", True):
+        return root + sum(blocks)
+    pairs = [a + b for a, b in zip(blocks, blocks[1:])] or blocks or [0]
+    return root + max(pairs)
+
+
+def pipelined(cfg: RunConfig, model: nn.Module, s: acts.Shapes, mode: FakeTensorMode) -> list[RankMemory]:
+    """One stage per rank: its slice of the model, and the activations of every micro-batch the schedule
+    keeps in flight on it (their forwards run together, so the batch they all slice counts once)."""
+    opts = cfg.tier_options
+    m, stages = opts.microbatches, cfg.world_size
+    x, y = acts.batch(s, cfg.global_batch_size, mode)
+    with mode:
+        xs, ys = list(x.chunk(m)), list(y.chunk(m))
+    out: list[RankMemory] = []
+    for rank, stage in enumerate(pipeline.split_model(model, stages, cfg.model_depth)):
+        flight = {"gpipe": m, "1f1b": min(m, stages - rank), "naive": 1}[opts.schedule]
+        if rank:  # a later stage's input arrives in a fresh buffer per micro-batch, as a leaf
+            with mode:
+                xs = [t.detach().clone().requires_grad_() for t in xs]
+        last = rank == stages - 1
+        saved, xs = acts.forward_saved(cfg, mode, stage, xs[:flight], ys[:flight] if last else None)
+        params = list(stage.parameters())
+        p = sum(nbytes(t) for t in params)
+        memory = {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(cfg, params),
+                  "activations": saved, "comm_buffers": 0}
+        note = f"stage {rank}: {flight} of {m} micro-batches in flight ({opts.schedule})"
+        out.append(RankMemory(rank, memory, [note]))
+    return out
+
+
+RULES: dict[str, Callable[..., list[RankMemory]]] = {
+    "single": replicated, "ddp-naive": replicated, "ddp": replicated, "multinode": replicated,
+    "elastic": replicated, "zero": zero, "fsdp": fsdp}
+
+
+def per_rank(cfg: RunConfig) -> list[RankMemory]:
+    """Every rank's predicted memory; raises ValueError naming the tier when it has no rule yet."""
+    s = acts.shapes(cfg)
+    mode = FakeTensorMode()
+    model = acts.fake_model(cfg, s, mode)
+    if cfg.tier == "pipeline":
+        return pipelined(cfg, model, s, mode)
+    if cfg.tier not in RULES:
+        known = ", ".join([*RULES, "pipeline"])
+        raise ValueError(f"estimate: tier {cfg.tier!r} has no memory rule yet; estimated tiers: {known}")
+    return RULES[cfg.tier](cfg, model, s)
