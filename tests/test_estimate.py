@@ -91,3 +91,19 @@ def test_predicted_equals_measured_kind_by_kind(tier, extra, no_survivors):
     assert set(table["kind"]) >= counted
     worst = table.loc[table["error"].abs().idxmax()]
     assert abs(worst["error"]) <= 0.01, f"rank {worst['rank']} {worst['kind']}: {worst.to_dict()}"
+
+
+def test_step_time_needs_a_link_and_says_so():
+    est = estimate(RunConfig())
+    assert est.step_ms is None and any("give a link" in a for a in est.assumptions)
+
+
+def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble():
+    from dtlab.analysis.costmodel.links import LinkModel
+    fast, slow = LinkModel.from_bandwidth(10_000, 50e-6), LinkModel.from_bandwidth(100, 50e-6)
+    cfg = RunConfig(tier="ddp", world_size=2, model_size=256)
+    assert estimate(cfg, slow).step_ms > estimate(cfg, fast).step_ms > 0
+    def pipe(schedule):
+        opts = pipeline.Options(schedule=schedule, microbatches=4)
+        return estimate(RunConfig(tier="pipeline", world_size=2, model_depth=4, tier_options=opts), fast).step_ms
+    assert pipe("naive") > pipe("gpipe")

@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import torch
 
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.estimate import step
 from dtlab.analysis.estimate.memory import RankMemory, per_rank
 from dtlab.core.config import RunConfig
+from dtlab.core.job import build_job
 from dtlab.core.results import RunResult
 
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers")
@@ -47,8 +51,9 @@ class Estimate:
         return json.dumps(out, indent=2)
 
 
-def estimate(cfg: RunConfig) -> Estimate:
-    """The job's predicted memory per rank (and its largest rank's), without starting a process."""
+def estimate(cfg: RunConfig, link: LinkModel | None = None) -> Estimate:
+    """The job's predicted memory per rank (and its largest rank's), without starting a process; with a
+    ``link`` (an alpha-beta LinkModel), also its step time, one rank's compute timed in this process."""
     ranks = per_rank(cfg)
     top = max(ranks, key=lambda r: r.total)
     notes = [f"tier {cfg.tier}, world size {cfg.world_size}, {cfg.model} width {cfg.model_size} depth "
@@ -57,8 +62,15 @@ def estimate(cfg: RunConfig) -> Estimate:
              "overhead, no framework workspace)", *dict.fromkeys(a for r in ranks for a in r.assumptions)]
     if cfg.activation_checkpointing:
         notes.append("activation checkpointing: each block keeps only its input")
-    notes.append("step time: not predicted for this tier yet")
-    return Estimate({k: top.memory.get(k, 0) for k in KINDS}, top.total, None, notes, ranks)
+    step_ms = None
+    if link is None:
+        notes.append("step time: give a link (dtlab.analysis.costmodel: calibrate a sweep, or "
+                     "LinkModel.from_bandwidth) to predict it")
+    else:
+        model = build_job(cfg, torch.device("meta"))[0]
+        seconds, step_notes = step.predict(cfg, model, link)
+        step_ms, notes = seconds * 1e3, notes + step_notes
+    return Estimate({k: top.memory.get(k, 0) for k in KINDS}, top.total, step_ms, notes, ranks)
 
 
 def compare(est: Estimate, result: RunResult) -> pd.DataFrame:

@@ -1,0 +1,118 @@
+"""One rank's compute, timed in this process: the compute side of a predicted step.
+
+A step's arithmetic does not depend on how ranks talk, so it is timed here, on
+this machine, with the threads a rank of the job would get: the model at its
+per-rank (or per-stage, per-micro-batch) size, forward with the loss, backward,
+the optimizer step, each the median of a few repeats after a warm-up. No process
+is started and no distributed run is looked at: what is predicted is never
+what was fitted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from dtlab.core import models
+from dtlab.core.config import RunConfig
+from dtlab.core.job import build_job, optimizer_factory
+from dtlab.tiers import pipeline
+
+REPEATS = 7
+WARMUP = 2
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _median_phases(step: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
+    for _ in range(WARMUP):
+        step()
+    runs = [step() for _ in range(repeats)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def phases(cfg: RunConfig, samples: int, repeats: int = REPEATS) -> dict[str, float]:
+    """Seconds of data, forward (with the loss), backward and optimizer for ``samples`` samples on one rank."""
+    model, data = build_job(cfg, torch.device("cpu"))
+    optimizer = optimizer_factory(cfg)(model.parameters())
+    gen = torch.Generator().manual_seed(cfg.seed)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        idx = torch.randint(len(data.train_x), (samples,), generator=gen)
+        x, y = data.train_x[idx], data.train_y[idx]
+        t1 = time.perf_counter()
+        with autocast:
+            loss = models.loss(model(x), y)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3}
+
+    with threads(cfg.resolved_threads):
+        return _median_phases(step, repeats)
+
+
+def stage_phases(cfg: RunConfig, repeats: int = REPEATS) -> list[dict[str, float]]:
+    """Per pipeline stage: forward and backward seconds of one micro-batch, the optimizer over its slice,
+    and ``out_bytes``, what it sends to the next stage per micro-batch."""
+    model, data = build_job(cfg, torch.device("cpu"))
+    stages = pipeline.split_model(model, cfg.world_size, cfg.model_depth)
+    micro = cfg.global_batch_size // cfg.tier_options.microbatches
+    x, y = data.train_x[:micro].clone(), data.train_y[:micro].clone()
+    out = []
+    with threads(cfg.resolved_threads):
+        for s, stage in enumerate(stages):
+            optimizer = optimizer_factory(cfg)(stage.parameters())
+            out.append(_stage(stage, optimizer, x, y if s == len(stages) - 1 else None, repeats))
+            x = stage(x).detach()
+    return out
+
+
+def _stage(stage: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor | None,
+           repeats: int) -> dict[str, float]:
+    def step() -> dict[str, float]:
+        xin = x.detach().requires_grad_(x.is_floating_point())
+        t0 = time.perf_counter()
+        out = stage(xin)
+        loss = models.loss(out, y) if y is not None else out
+        t1 = time.perf_counter()
+        if y is not None:
+            loss.backward()
+        else:
+            out.backward(torch.ones_like(out))  # the gradient that comes back from the next stage
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2,
+                "out_bytes": float(out.numel() * out.element_size()) if y is None else 0.0}
+
+    return _median_phases(step, repeats)
+
+
+def copy_seconds_per_byte(nbytes: int = 1 << 24, repeats: int = 5) -> float:
+    """This machine's memory copy time per byte (one read and one write), the median of a few copies."""
+    src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / nbytes
