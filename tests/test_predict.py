@@ -26,14 +26,17 @@ def test_a_choice_is_judged_and_logged(tmp_path, capsys):
 def test_a_number_agrees_within_its_relative_tolerance(tmp_path):
     p = predict("All-reduces per step?", low=0, high=10, tolerance=0.2)
     p.lock(3.5)
-    assert p.reveal(3, log=None).verdict is True  # 3.5 is within 20 % of 3
+    p.reveal(3, log=None)
+    assert p.verdict is True  # 3.5 is within 20 % of 3
     p.guess = 4.0
-    assert p.reveal(3, log=None).verdict is False
+    p.reveal(3, log=None)
+    assert p.verdict is False
 
 
 def test_no_guess_is_said_not_counted(capsys):
     p = predict("Which tier is fastest?", ["single", "ddp"])
-    assert p.reveal("single", log=None).verdict is False
+    p.reveal("single", log=None)
+    assert p.verdict is False
     assert "no guess was locked in" in capsys.readouterr().out
 
 

@@ -60,8 +60,8 @@ class Prediction:
         scale = max(abs(float(measured)), 1e-12)
         return abs(float(self.guess) - float(measured)) <= self.tolerance * scale
 
-    def reveal(self, measured: Any, detail: str = "", log: Path | None = LOG) -> Prediction:
-        """Show the guess beside the measurement; returns self (its ``verdict`` set) for a notebook's last line."""
+    def reveal(self, measured: Any, detail: str = "", log: Path | None = LOG) -> None:
+        """Print the guess beside the measurement and set ``verdict`` (None returned: nothing echoes after it)."""
         self.verdict = self.agrees(measured)
         if self.guess is None:
             verdict = "no guess was locked in"
@@ -76,7 +76,6 @@ class Prediction:
         print(text)
         if log is not None:
             self._log(measured, log)
-        return self
 
     def _log(self, measured: Any, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
