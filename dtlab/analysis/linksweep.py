@@ -21,19 +21,22 @@ from typing import Any
 
 import pandas as pd
 
-from dtlab.analysis import frames
+from dtlab.analysis import costmodel, frames
 from dtlab.core.config import RunConfig
 from dtlab.launch import netns
 from dtlab.tiers import ddp, multinode
 from dtlab.train import run
 
-__all__ = ["DEFAULT_CAPS_MBIT", "DEFAULT_HOOKS", "link_configs", "link_sweep", "mbit_label", "sweep_row"]
+__all__ = ["DEFAULT_CAPS_MBIT", "DEFAULT_HOOKS", "TABLE_COLUMNS", "allreduce_sizes", "beta_terms", "fastest_hook",
+           "hook_comparison", "link_configs", "link_sweep", "mbit_label", "step_ms_at", "sweep_summary", "sweep_row",
+           "sweep_table"]
 
 DEFAULT_CAPS_MBIT = (10_000.0, 1_000.0, 200.0)
 DEFAULT_HOOKS = ("allreduce", "fp16", "powersgd")
 # More than RunResult.steady's default (1), on purpose: PowerSGD compresses only from step 2 (the ddp tier's
 # start_powerSGD_iter), so steps 0 and 1 would mix uncompressed steps into the powersgd points.
 WARMUP_STEPS = 2
+TABLE_COLUMNS = ("label", "step_ms", "compute_ms", "exposed_comm_ms", "comm_ms", "comm_mb_per_step", "final_loss")
 
 
 def link_configs(base: RunConfig, caps_mbit: Sequence[float] = DEFAULT_CAPS_MBIT,
@@ -98,3 +101,95 @@ def link_sweep(base: RunConfig, caps_mbit: Sequence[float] = DEFAULT_CAPS_MBIT,
 def mbit_label(mbit: float) -> str:
     """A link speed as people write it: 10 Gbit/s, 200 Mbit/s."""
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def sweep_table(sweep: pd.DataFrame, columns: Sequence[str] = TABLE_COLUMNS, decimals: int = 3) -> pd.DataFrame:
+    """The sweep's main columns (one row per run, in sweep order), rounded for reading."""
+    return sweep[list(columns)].round(decimals)
+
+
+def hook_comparison(sweep: pd.DataFrame, baseline: str = "allreduce") -> pd.DataFrame:
+    """Every run beside the ``baseline`` hook's run on the same link cap.
+
+    Indexed by (``comm_hook``, ``link_mbit``), sorted: ``step_ms``,
+    ``compute_ms``, ``exposed_comm_ms``, ``exposed_share`` (of the step),
+    ``comm_mb_per_step`` and ``final_loss``, then ``step_ratio`` and
+    ``bytes_ratio`` (this run's step time and bytes over the baseline's at that
+    cap) and the baseline's ``baseline_compute_ms``.
+    """
+    if baseline not in set(sweep["comm_hook"]):
+        raise ValueError(f"baseline={baseline!r} is not in the sweep "
+                         f"(hooks: {', '.join(dict.fromkeys(sweep['comm_hook']))})")
+    cols = ["step_ms", "compute_ms", "exposed_comm_ms", "comm_mb_per_step", "final_loss"]
+    df = sweep[["comm_hook", "link_mbit", *cols]].copy()
+    df["exposed_share"] = df["exposed_comm_ms"] / df["step_ms"]
+    base = sweep[sweep["comm_hook"] == baseline].set_index("link_mbit")
+    df["step_ratio"] = df["step_ms"] / df["link_mbit"].map(base["step_ms"])
+    df["bytes_ratio"] = df["comm_mb_per_step"] / df["link_mbit"].map(base["comm_mb_per_step"])
+    df["baseline_compute_ms"] = df["link_mbit"].map(base["compute_ms"])
+    return df.set_index(["comm_hook", "link_mbit"]).sort_index()
+
+
+def sweep_summary(sweep: pd.DataFrame, single_loss: float | None = None, baseline: str = "allreduce") -> str:
+    """The sweep in sentences: the baseline on the fastest and the slowest cap, each other hook against it, losses.
+
+    Caps and hooks are taken in sweep order; ``single_loss`` (a single-device
+    run's final loss), when given, ends the last line.
+    """
+    cmp = hook_comparison(sweep, baseline)
+    caps = list(dict.fromkeys(sweep["link_mbit"]))
+    hooks = list(dict.fromkeys(sweep["comm_hook"]))
+    fast, slow = max(caps), min(caps)
+    full = cmp.loc[baseline]
+    lines = [f"{baseline}: {full.step_ms[slow]:.1f} ms per step at {slow:g} Mbit/s against {full.step_ms[fast]:.1f} "
+             f"ms at {fast:g} Mbit/s; exposed communication {full.exposed_comm_ms[slow]:.1f} ms "
+             f"({full.exposed_share[slow]:.0%} of the step) against {full.exposed_comm_ms[fast]:.1f} ms "
+             f"({full.exposed_share[fast]:.0%})"]
+    for hook in hooks:
+        if hook == baseline:
+            continue
+        rows = cmp.loc[hook]
+        per_cap = [f"at {cap:g} Mbit/s step {rows.step_ratio[cap]:.2f}x {baseline}'s, compute "
+                   f"{rows.compute_ms[cap]:.1f} ms ({baseline} {rows.baseline_compute_ms[cap]:.1f})" for cap in caps]
+        lines.append(f"{hook}: sends {rows.bytes_ratio[slow]:.1%} of {baseline}'s bytes; " + "; ".join(per_cap))
+    losses = ", ".join(f"{h} {sweep[sweep['comm_hook'] == h]['final_loss'].iloc[0]:.4f}" for h in hooks)
+    lines.append(f"final loss: {losses}" + (f" (single device {single_loss:.4f})" if single_loss is not None else ""))
+    return "\n".join(lines)
+
+
+def step_ms_at(sweep: pd.DataFrame, link_mbit: float) -> pd.Series:
+    """Step time (ms) per comm hook on the ``link_mbit`` cap, fastest first."""
+    rows = sweep[sweep["link_mbit"] == float(link_mbit)]
+    if rows.empty:
+        raise ValueError(f"link_mbit={link_mbit!r} is not in the sweep (caps: "
+                         f"{', '.join(f'{c:g}' for c in dict.fromkeys(sweep['link_mbit']))})")
+    return rows.set_index("comm_hook")["step_ms"].sort_values(kind="stable")
+
+
+def fastest_hook(sweep: pd.DataFrame, link_mbit: float) -> str:
+    """The comm hook with the shortest step on the ``link_mbit`` cap."""
+    return str(step_ms_at(sweep, link_mbit).index[0])
+
+
+def beta_terms(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Each run's all-reduce against the alpha-beta model's bandwidth term alone.
+
+    One row per run: ``label``, ``MB_per_step``, ``beta_term_ms`` (a ring
+    all-reduce of the run's bytes per step over its world size, on a link of
+    the run's cap with no latency: ``LinkModel.from_bandwidth(mbit, alpha_s=0)``),
+    ``measured_comm_ms`` and ``rest_ms`` (measured minus the bandwidth term).
+    """
+    rows = []
+    for r in sweep.itertuples():
+        bandwidth_only = costmodel.LinkModel.from_bandwidth(r.link_mbit, alpha_s=0.0)
+        beta_ms = bandwidth_only.predict("all_reduce", r.comm_mb_per_step * 1e6, int(r.world_size)) * 1e3
+        rows.append({"label": r.label, "MB_per_step": r.comm_mb_per_step, "beta_term_ms": beta_ms,
+                     "measured_comm_ms": r.comm_ms, "rest_ms": r.comm_ms - beta_ms})
+    return pd.DataFrame(rows, columns=["label", "MB_per_step", "beta_term_ms", "measured_comm_ms", "rest_ms"])
+
+
+def allreduce_sizes(result: Any, rank: int = 0) -> pd.Series:
+    """Per step, the sizes in bytes of ``rank``'s all-reduces, in the order it issued them (a list per step)."""
+    ev = result.events_frame()
+    ev = ev[(ev["rank"] == rank) & (ev["op"] == "all_reduce")]
+    return ev.groupby("step")["bytes"].apply(list)

@@ -1,7 +1,8 @@
-"""Tables and figures of a run's RPC calls, and the parameter server's staleness."""
+"""Tables and figures of a run's RPC calls, the parameter server's staleness, and async against sync."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
@@ -71,3 +72,82 @@ def staleness_frame(result: RunResult) -> Any:
     """One row per applied gradient: trainer, step, read_version, applied_version, staleness."""
     return pd.DataFrame(result.ranks[0].strategy["staleness"],
                         columns=["trainer", "step", "read_version", "applied_version", "staleness"])
+
+
+def run_summary(result: RunResult) -> dict[str, Any]:
+    """A run's ``final_loss`` and ``test_accuracy``; for an rpc run also its parameter server's ``updates``,
+    ``mean_staleness``, ``max_staleness`` and ``stale_share`` (the share of updates applied stale)."""
+    row: dict[str, Any] = {"final_loss": result.final_loss(), "test_accuracy": result.ranks[0].evaluation["accuracy"]}
+    if result.config.tier == "rpc":
+        st = staleness_frame(result)["staleness"]
+        row.update(updates=len(st), mean_staleness=st.mean(), max_staleness=st.max(), stale_share=(st > 0).mean())
+    return row
+
+
+def runs_table(runs: Mapping[Any, Mapping[str, RunResult]], key: str = "lr") -> pd.DataFrame:
+    """``run_summary`` of every run, indexed by (``key``, label): ``runs`` maps e.g. a learning rate to
+    ``{label: run}``; columns that a run lacks (staleness, for a non-rpc run) are NaN."""
+    rows = [{key: k, "run": label, **run_summary(r)} for k, group in runs.items() for label, r in group.items()]
+    return pd.DataFrame(rows).set_index([key, "run"])
+
+
+def _mode(result: RunResult) -> str | None:
+    return getattr(result.config.tier_options, "mode", "sync") if result.config.tier == "rpc" else None
+
+
+def async_vs_sync(runs: Mapping[Any, Mapping[str, RunResult]], key: str = "lr") -> pd.DataFrame:
+    """Each async parameter-server run against the sync one of its group.
+
+    ``runs`` as for ``runs_table``; each group needs one sync rpc run. Indexed
+    by (``key``, ``trainers``): ``stale_share``, ``mean_staleness``,
+    ``max_staleness``, ``final_loss``, ``test_accuracy``, the sync run's
+    ``sync_loss`` and ``sync_accuracy``, and ``verdict``: ``"lower"`` if the
+    async run's final loss is below the sync run's, else ``"higher"``.
+    """
+    rows = []
+    for k, group in runs.items():
+        syncs = [r for r in group.values() if _mode(r) == "sync"]
+        if len(syncs) != 1:
+            raise ValueError(f"{key}={k!r}: expected one sync rpc run, found {len(syncs)}")
+        s = run_summary(syncs[0])
+        for r in group.values():
+            if _mode(r) != "async":
+                continue
+            a = run_summary(r)
+            rows.append({key: k, "trainers": int(r.config.world_size),
+                         **{c: a[c] for c in ("stale_share", "mean_staleness", "max_staleness", "final_loss",
+                                              "test_accuracy")},
+                         "sync_loss": s["final_loss"], "sync_accuracy": s["test_accuracy"],
+                         "verdict": "lower" if a["final_loss"] < s["final_loss"] else "higher"})
+    columns = [key, "trainers", "stale_share", "mean_staleness", "max_staleness", "final_loss", "test_accuracy",
+               "sync_loss", "sync_accuracy", "verdict"]
+    return pd.DataFrame(rows, columns=columns).set_index([key, "trainers"])
+
+
+def trainer_calls(calls: pd.DataFrame) -> dict[str, float]:
+    """From ``call_table``'s frame of a parameter-server run: ``calls_min`` and ``calls_max`` (calls per caller),
+    the forward's ``forward_kib_out`` and ``forward_kib_back`` per call and ``forward_median_ms`` (median of the
+    callers' medians), and the optimizer step's ``step_median_ms``."""
+    fwd = calls[calls["function"] == "_forward"]
+    opt = calls[calls["function"] == "_local_optimizer_step"]
+    per_caller = calls.groupby("caller")["calls"].sum()
+    n = fwd["calls"].sum()
+    return {"calls_min": int(per_caller.min()), "calls_max": int(per_caller.max()),
+            "forward_kib_out": float(fwd["request_bytes"].sum() / n / 1024),
+            "forward_kib_back": float(fwd["response_bytes"].sum() / n / 1024),
+            "forward_median_ms": float(fwd["median_latency_ms"].median()),
+            "step_median_ms": float(opt["median_latency_ms"].median())}
+
+
+def action_requests(events: pd.DataFrame, phases: Any, tag: str = "_select_action") -> dict[str, float]:
+    """The RL agent's action requests: ``requests``, medians ``latency_ms``, ``bytes_out``, ``bytes_back``, and
+    ``policy_ms``, the median of the agent's (rank 0's) ``forward`` phases: the part of a request spent computing.
+
+    ``events``: the run's RPC events frame; ``phases``: its phases (records or a frame with rank, phase, start, end).
+    """
+    actions = events[events["tag"] == tag]
+    ph = phases if isinstance(phases, pd.DataFrame) else pd.DataFrame(list(phases))
+    policy = (ph["end"] - ph["start"])[(ph["phase"] == "forward") & (ph["rank"] == 0)]
+    return {"requests": len(actions), "latency_ms": float(actions["duration_s"].median()) * 1e3,
+            "bytes_out": float(actions["bytes"].median()), "bytes_back": float(actions["response_bytes"].median()),
+            "policy_ms": float(policy.median()) * 1e3}
