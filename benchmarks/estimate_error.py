@@ -32,23 +32,26 @@ MODELS = {"mlp": {"model": "mlp", "model_size": 128, "model_depth": 4},
 
 
 def points(quick: bool) -> Iterator[tuple[str, RunConfig]]:
-    """(label, job) for every tier the estimator covers, on each model it can run, at each world size."""
+    """(label, job) for every tier the estimator covers, on each model it can run, at each world size
+    (quick: the mlp's ddp, fsdp and 1F1B at world 2, enough to see that the benchmark runs)."""
     base = RunConfig(steps=2, global_batch_size=32, threads_per_rank=1, timeout_s=120)
-    worlds = (2,) if quick else (1, 2, 4)
-    models = ("mlp", "charformer") if quick else tuple(MODELS)
-    for model in models:
+    if quick:
+        job = base.replace(**MODELS["mlp"])
+        yield "ddp w2 mlp", job.replace(tier="ddp", world_size=2)
+        yield "fsdp w2 mlp", job.replace(tier="fsdp", world_size=2)
+        yield "pipeline 1f1b w2 mlp", job.replace(tier="pipeline", world_size=2,
+                                                  tier_options=pipeline.Options(schedule="1f1b"))
+        return
+    for model in MODELS:
         job = base.replace(**MODELS[model])
-        recompute = (False, True) if model == "charformer" else (False,)
-        for ac in recompute:
-            yield f"single {model}{' +AC' if ac else ''}", job.replace(activation_checkpointing=ac)
+        for ac in (False, True) if model == "charformer" else (False,):
+            suffix = f" {model}{' +AC' if ac else ''}"
+            yield f"single{suffix}", job.replace(activation_checkpointing=ac)
             for tier in ("ddp", "zero", "fsdp"):
-                for n in worlds:
-                    yield f"{tier} w{n} {model}{' +AC' if ac else ''}", job.replace(
-                        tier=tier, world_size=n, activation_checkpointing=ac)
-        if model == "cnn":
-            continue
-        for schedule in ("gpipe", "1f1b"):
-            for n in (2,) if quick else (2, 4):
+                for n in (1, 2, 4):
+                    yield f"{tier} w{n}{suffix}", job.replace(tier=tier, world_size=n, activation_checkpointing=ac)
+        for schedule in ("gpipe", "1f1b") if model != "cnn" else ():  # the pipeline splits mlp and charformer
+            for n in (2, 4):
                 options = pipeline.Options(schedule=schedule, microbatches=8)
                 yield f"pipeline {schedule} w{n} {model}", job.replace(tier="pipeline", world_size=n,
                                                                        tier_options=options)
