@@ -27,6 +27,7 @@ import ipywidgets as w
 from dtlab import plots, tiers
 from dtlab.analysis.elastic import timeline
 from dtlab.analysis.frames import breakdown_frame
+from dtlab.app.history import HISTORY, load_history, saved_loss_curve
 from dtlab.core import options
 from dtlab.core.config import MODELS, PRECISIONS, RunConfig
 from dtlab.core.registry import TierSpec
@@ -36,7 +37,6 @@ from dtlab.tiers.elastic import FAULT_KINDS
 from dtlab.train import preflight, run
 
 FAULTS = ["none", *FAULT_KINDS]
-HISTORY = Path("results/history")
 JOB_DEFAULTS = ("tier", "world_size", "model", "model_size", "global_batch_size", "steps", "fault", "precision",
                 "activation_checkpointing")
 OPTION_STYLE = {"description_width": "170px"}
@@ -52,18 +52,6 @@ def _png(fig: Any) -> bytes:
 def _table(rows: dict[str, Any]) -> str:
     cells = "".join(f"<tr><td>{k}</td><td><b>{v}</b></td></tr>" for k, v in rows.items())
     return f"<table>{cells}</table>"
-
-
-def load_history(folder: Path = HISTORY) -> dict[str, Path]:
-    """Saved runs, newest first: label -> folder (each holds result.json and steps.csv)."""
-    runs = sorted((p for p in folder.glob("*/result.json")), reverse=True) if folder.exists() else []
-    return {p.parent.name: p.parent for p in runs}
-
-
-def saved_loss_curve(folder: Path) -> Any:
-    import pandas as pd
-
-    return pd.read_csv(folder / "steps.csv").groupby("step")["loss"].mean()
 
 
 def option_controls(spec: TierSpec) -> dict[str, w.Widget]:
