@@ -91,6 +91,25 @@ def test_ddp_bucket_events_match_ddp_buckets():
         assert all(e[comm.END] >= e[comm.START] for e in events)
 
 
+def uneven_join(info):
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    with Join([model]):
+        for _ in range(2 + 2 * info.rank):  # rank 1 has more batches: Join shadows its all-reduces on rank 0
+            model(torch.randn(8, 4)).sum().backward()
+    ops = [e[comm.OP] for e in instrument.active().events]
+    return ops.count("all_reduce"), all(e[comm.END] is not None for e in instrument.active().events)
+
+
+def test_ddp_join_runs_under_the_recorder_and_its_all_reduces_are_recorded():
+    # Join hands its all-reduce's Work to DDP's C++ reducer, which takes only c10d's own Work:
+    # calls from torch get the real object back (their end still recorded).
+    (count0, ended0), (count1, ended1) = dtlab.launch(uneven_join, 2, progress=False, timeout_s=30)
+    assert count0 > 0 and count1 > 0 and ended0 and ended1
+
+
 def test_recorder_off_records_nothing_and_uninstall_restores_torch():
     original = dist.all_reduce
     recorder.install()

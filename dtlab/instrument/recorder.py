@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -221,6 +222,13 @@ def _watch_completion(work: Any, event: list) -> None:
     fut.add_done_callback(done)
 
 
+def _handed_to_torch(depth: int = 2) -> bool:
+    """Whether the wrapped call came from torch itself (DDP's join, for one), which may pass the Work on
+    to C++: that needs the real object, so such calls get it back (their end is still recorded)."""
+    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
+
+
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     rule = SIZE_RULES[name]
     code = OP_CODES[name]
@@ -248,7 +256,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         ev = rec.add(name, tensor_nbytes(payload), dtype_name(payload), size, peer, start, end, is_async)
         if is_async and work is not None:
             _watch_completion(work, ev)
-            return _RecordedWork(work, ev, rec)
+            return work if _handed_to_torch() else _RecordedWork(work, ev, rec)
         return work
 
     wrapper.__dtlab_original__ = fn  # type: ignore[attr-defined]

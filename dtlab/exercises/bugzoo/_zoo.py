@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.join import Join
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dtlab.core.failures import RankError
@@ -105,39 +104,12 @@ def _watch_steps(steps: list[Step], optimizers: list[torch.optim.Optimizer]) -> 
             h.remove()
 
 
-@contextlib.contextmanager
-def _join_unrecorded() -> Iterator[None]:
-    """Let DDP's Join run under the CommRecorder.
-
-    Join hands the work of its per-step all_reduce to DDP's C++ reducer, which
-    accepts only c10d's own Work, not the recorder's wrapper of it: that one
-    call goes unrecorded (every other call is recorded as usual).
-    """
-    original = Join.notify_join_context
-
-    def notify(joinable: Any) -> Any:
-        rec = active()
-        if rec is None:
-            return original(joinable)
-        rec.suppressed = True
-        try:
-            return original(joinable)
-        finally:
-            rec.suppressed = False
-
-    Join.notify_join_context = staticmethod(notify)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Join.notify_join_context = staticmethod(original)  # type: ignore[method-assign]
-
-
 def on_rank(info: Any, fn: Callable[..., Any]) -> RankRun:
     """Run the program on this rank and keep what it did."""
     kit.fetched[:] = [[]]
     steps: list[Step] = []
     optimizers: list[torch.optim.Optimizer] = []
-    with _watch_steps(steps, optimizers), _join_unrecorded():
+    with _watch_steps(steps, optimizers):
         value, calls = call_learner(fn, info, where="in your training program")
     final = _flat(_params(optimizers[-1])) if optimizers else None
     rec = active()
