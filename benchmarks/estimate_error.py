@@ -7,8 +7,16 @@ gradients, optimizer state, activations and communication buffers); the CSV
 keeps every rank and kind. Nothing is fitted: the estimator has no parameters.
 World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
-Prints ``estimate_error.memory_median`` (target <= 0.05) and
-``estimate_error.memory_worst`` (target <= 0.15) and writes ``estimate_error.csv``.
+Step time: a link is calibrated on an all_reduce sweep at world size 2 (as
+``costmodel_error`` does), then each step point is predicted (one rank's compute
+timed in this process, the tier's communication on the link) and run, its
+measured step the median over rounds of the run's steady median, the rounds
+interleaved. World size 4 is oversubscribed on 2 cores: reported, not counted.
+
+Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
+(target <= 0.15), ``estimate_error.step_median`` (target <= 0.15) and
+``estimate_error.step_worst`` (target <= 0.30, counted points), and writes
+``estimate_error.csv`` and ``estimate_error_steps.csv``.
 
     .venv/bin/python benchmarks/estimate_error.py [--quick] [--out results/bench]
 """
@@ -20,9 +28,10 @@ from collections.abc import Iterator
 
 import _common as common
 
+from dtlab.analysis import collectives, costmodel
 from dtlab.analysis.estimate import compare, estimate
 from dtlab.core.config import RunConfig
-from dtlab.tiers import pipeline
+from dtlab.tiers import pipeline, tp
 from dtlab.train import run
 
 NAME = "estimate_error"
@@ -50,15 +59,67 @@ def points(quick: bool) -> Iterator[tuple[str, RunConfig]]:
             for tier in ("ddp", "zero", "fsdp"):
                 for n in (1, 2, 4):
                     yield f"{tier} w{n}{suffix}", job.replace(tier=tier, world_size=n, activation_checkpointing=ac)
-        for schedule in ("gpipe", "1f1b") if model != "cnn" else ():  # the pipeline splits mlp and charformer
+        if model != "cnn":  # tensor parallelism and the pipeline split the mlp and the charformer
+            yield f"tp w2 {model}", job.replace(tier="tp", world_size=2)
+        if model == "charformer":
+            yield "tp w2 charformer +SP", job.replace(tier="tp", world_size=2,
+                                                      tier_options=tp.Options(sequence_parallel=True))
+            yield "fsdp-tp w4 (2x2) charformer", job.replace(tier="fsdp-tp", world_size=4)
+            for n in (2, 4):
+                yield f"cp w{n} charformer", job.replace(tier="cp", world_size=n)
+        for schedule in ("gpipe", "1f1b") if model != "cnn" else ():
             for n in (2, 4):
                 options = pipeline.Options(schedule=schedule, microbatches=8)
                 yield f"pipeline {schedule} w{n} {model}", job.replace(tier="pipeline", world_size=n,
                                                                        tier_options=options)
 
 
+def step_points(quick: bool) -> dict[str, RunConfig]:
+    base = RunConfig(steps=6 if quick else 25, global_batch_size=64, model_size=512, model_depth=4, timeout_s=180)
+    pipe = {s: pipeline.Options(schedule=s, microbatches=4) for s in ("gpipe", "1f1b")}
+    if quick:
+        return {"ddp w2 mlp512": base.replace(tier="ddp", world_size=2)}
+    char = base.replace(model="charformer", dataset="text", model_size=64, model_depth=2, global_batch_size=32)
+    return {"single mlp512": base, "ddp w2 mlp512": base.replace(tier="ddp", world_size=2),
+            "zero w2 mlp512": base.replace(tier="zero", world_size=2),
+            "fsdp w2 mlp512": base.replace(tier="fsdp", world_size=2),
+            "pipeline gpipe w2 mlp512": base.replace(tier="pipeline", world_size=2, tier_options=pipe["gpipe"]),
+            "pipeline 1f1b w2 mlp512": base.replace(tier="pipeline", world_size=2, tier_options=pipe["1f1b"]),
+            "ddp w4 mlp512 (oversubscribed)": base.replace(tier="ddp", world_size=4),
+            "single charformer": char, "ddp w2 charformer": char.replace(tier="ddp", world_size=2),
+            "fsdp w2 charformer": char.replace(tier="fsdp", world_size=2)}
+
+
+def step_errors(args) -> None:
+    sizes = collectives.CALIBRATION_SIZES[:6] if args.quick else collectives.CALIBRATION_SIZES
+    sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=2 if args.quick else 7, per_repeat=True)
+    link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")
+    jobs = step_points(args.quick)
+    predicted = {label: estimate(cfg, link).step_ms for label, cfg in jobs.items()}
+    variants = {label: (lambda r, cfg=cfg: {"step_ms": common.steady_step_s(run(cfg, progress=False)) * 1e3})
+                for label, cfg in jobs.items()}
+    rows = common.interleave(variants, common.repeats(args, 3), log=print)
+    errors, out = {}, []
+    for label in jobs:
+        measured = common.median(common.per_round(rows, label, "step_ms").values())
+        errors[label] = (predicted[label] - measured) / measured
+        out.append({"point": label, "predicted_ms": predicted[label], "measured_ms": measured, "error": errors[label]})
+        print(f"  {label:32} predicted {predicted[label]:8.2f} ms  measured {measured:8.2f} ms  "
+              f"error {errors[label]:+.1%}", flush=True)
+    counted = {k: abs(v) for k, v in errors.items() if "oversubscribed" not in k}
+    median = common.median(counted.values())
+    worst = max(counted, key=counted.get)
+    common.result_line(f"{NAME}.step_median", median, "<= 0.15", quick=args.quick, passed=median <= 0.15,
+                       detail=f"{len(counted)} counted points; link alpha {link.alpha_s * 1e6:.0f} us, "
+                              f"{link.bandwidth_gbps:.2f} GB/s")
+    common.result_line(f"{NAME}.step_worst", counted[worst], "<= 0.30", quick=args.quick,
+                       passed=counted[worst] <= 0.30, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
+    common.write_csv(args.out / f"{NAME}_steps.csv", out)
+
+
 def main() -> None:
     args = common.parse(common.parser(__doc__))
+    step_errors(args)
     rows, errors = [], {}
     for label, cfg in points(args.quick):
         est = estimate(cfg)

@@ -62,8 +62,8 @@ def test_pipeline_1f1b_keeps_fewer_micro_batches_than_gpipe():
 
 
 def test_an_unestimated_tier_is_named():
-    with pytest.raises(ValueError, match="tier 'tp' has no memory rule"):
-        estimate(RunConfig(tier="tp", world_size=2, model="charformer", dataset="text"))
+    with pytest.raises(ValueError, match="tier 'dp' has no memory rule"):
+        estimate(RunConfig(tier="dp", world_size=2))
 
 
 def test_cli_json_has_the_documented_keys(capsys):

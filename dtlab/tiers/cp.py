@@ -42,6 +42,7 @@ from torch import nn
 from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
+from dtlab.core.memory import SavedActivations
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import active
 from dtlab.tiers import base
@@ -237,14 +238,19 @@ class Strategy(base.Strategy):
         self.data_rank, self.data_world = 0, 1  # every rank reads the whole global batch, and cuts its chunk
         self.chunk = SEQ_LEN // info.world_size
         self.times = {"forward": 0.0, "backward": 0.0, "forward_wait": 0.0, "backward_wait": 0.0}
+        # What the first step's forward saves for backward (the loop cannot see inside run_step)
+        self.activations: int | None = None
 
     def run_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         lo = self.info.rank * self.chunk
         x, y = x[:, lo:lo + self.chunk], y[:, lo:lo + self.chunk]
         ring = Ring()
         start = time.perf_counter()
-        with _phase("cp_forward"):
+        counting = SavedActivations() if self.activations is None else contextlib.nullcontext()
+        with _phase("cp_forward"), counting as acts:
             loss = models.loss(chunk_forward(model, x, lo, ring), y)
+        if acts is not None:  # counted as the loop counts other tiers: parameters left out
+            self.activations = acts.bytes(exclude=model.parameters())
         middle, forward_wait = time.perf_counter(), ring.waited_s
         with _phase("cp_backward"):
             loss.backward()
@@ -262,6 +268,9 @@ class Strategy(base.Strategy):
         flat.div_(self.info.world_size)  # each rank's loss is a mean over equally many tokens
         for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(synced.view_as(grad))
+
+    def memory(self) -> dict[str, int]:
+        return {} if self.activations is None else {"activations": self.activations}
 
     def split_step(self, seconds: float) -> dict[str, float]:
         """Compute of the forward and backward passes; waiting on the ring (and the loss's

@@ -18,6 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.analysis.estimate import activations as acts
+from dtlab.analysis.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.core.config import RunConfig
 from dtlab.tiers import fsdp as fsdp_tier
 from dtlab.tiers import pipeline
@@ -166,7 +167,7 @@ def pipelined(cfg: RunConfig, model: nn.Module, s: acts.Shapes, mode: FakeTensor
 
 RULES: dict[str, Callable[..., list[RankMemory]]] = {
     "single": replicated, "ddp-naive": replicated, "ddp": replicated, "multinode": replicated,
-    "elastic": replicated, "zero": zero, "fsdp": fsdp}
+    "elastic": replicated, "zero": zero, "fsdp": fsdp, **TENSOR_PARALLEL_RULES}
 
 
 def per_rank(cfg: RunConfig) -> list[RankMemory]:
