@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # The quick inner loop: no process launches, notebooks or browser (under 2 minutes).
 test-fast: $(STAMP)
