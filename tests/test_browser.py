@@ -7,6 +7,7 @@ is skipped with the reason — except under CI=true, where a skip is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -51,10 +52,12 @@ def jupyter_lab(tmp_path):
         pytest.skip(reason)
     work = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", work)
-    # Render every cell (no windowing: the panel is far below the fold) and skip the news prompt.
+    # Render every cell (no windowing: the panel is far below the fold), start the notebook's kernel without a
+    # dialog, and skip the news prompt.
     settings = tmp_path / "settings" / "@jupyterlab"
     (settings / "notebook-extension").mkdir(parents=True)
-    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
+        '{"windowingMode": "none", "autoStartDefaultKernel": true}')
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     port, token = _free_port(), "dtlab-test-token"
@@ -84,6 +87,19 @@ def jupyter_lab(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     log.close()
+
+
+def start_kernel_session(url: str, token: str, notebook: str) -> None:
+    """Start the notebook's kernel through the server's REST API, so the page attaches to it.
+
+    Left to the page, a loaded machine can fetch the kernel list late and JupyterLab then asks
+    which kernel to start, preselecting "No Kernel".
+    """
+    body = json.dumps({"path": notebook, "type": "notebook", "name": notebook, "kernel": {"name": "python3"}})
+    request = urllib.request.Request(f"{url}/api/sessions?token={token}", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.load(response)["kernel"]["name"] == "python3"
 
 
 def dismiss_dialogs(page) -> list[str]:
@@ -138,6 +154,7 @@ def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
+            start_kernel_session(url, token, "11_compare.ipynb")
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{url}/lab/tree/11_compare.ipynb?token={token}", timeout=60_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
