@@ -7,18 +7,21 @@ gradients, optimizer state, activations and communication buffers); the CSV
 keeps every rank and kind. Nothing is fitted: the estimator has no parameters.
 World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
-Step time: a link is calibrated on an all_reduce sweep at world size 2 (as
-``costmodel_error`` does), then each step point is predicted (one rank's compute
-timed in this process, the tier's communication on the link) and run, its
-measured step the median over rounds of the run's steady median, the rounds
-interleaved. World size 4 is oversubscribed on 2 cores: reported, not counted.
+Step time: one link per collective is calibrated on a sweep of that collective at
+world size 2 (``costmodel.calibrate_ops``: all_reduce, all_gather, reduce_scatter,
+broadcast), then each step point is predicted (one rank's compute timed in this
+process, or for fsdp, tp and cp every rank on the fake backend; the tier's
+communication on the links) and run unrecorded (the prediction is of training,
+not of dtlab's instrumentation), its measured step the median over rounds of the
+run's steady median, the rounds interleaved. World size 4 is oversubscribed on 2
+cores: reported, not counted.
 
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
 (target <= 0.15), ``estimate_error.step_median`` (target <= 0.15) and
 ``estimate_error.step_worst`` (target <= 0.30, counted points), and writes
 ``estimate_error.csv`` and ``estimate_error_steps.csv``.
 
-    .venv/bin/python benchmarks/estimate_error.py [--quick] [--out results/bench]
+    .venv/bin/python benchmarks/estimate_error.py [--quick] [--out results/bench] [--part steps|memory]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dtlab.tiers import pipeline, tp
 from dtlab.train import run
 
 NAME = "estimate_error"
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 MODELS = {"mlp": {"model": "mlp", "model_size": 128, "model_depth": 4},
           "cnn": {"model": "cnn", "model_size": 16},
           "charformer": {"model": "charformer", "dataset": "text", "model_size": 32, "model_depth": 4}}
@@ -87,17 +91,22 @@ def step_points(quick: bool) -> dict[str, RunConfig]:
             "pipeline 1f1b w2 mlp512": base.replace(tier="pipeline", world_size=2, tier_options=pipe["1f1b"]),
             "ddp w4 mlp512 (oversubscribed)": base.replace(tier="ddp", world_size=4),
             "single charformer": char, "ddp w2 charformer": char.replace(tier="ddp", world_size=2),
-            "fsdp w2 charformer": char.replace(tier="fsdp", world_size=2)}
+            "fsdp w2 charformer": char.replace(tier="fsdp", world_size=2),
+            "tp w2 mlp512": base.replace(tier="tp", world_size=2),
+            "tp w2 charformer": char.replace(tier="tp", world_size=2),
+            "cp w2 charformer": char.replace(tier="cp", world_size=2)}
 
 
 def step_errors(args) -> None:
     # quick: every third size, still from the latency-bound 1 KiB to the bandwidth-bound 4 MiB
     sizes = collectives.CALIBRATION_SIZES[::3] if args.quick else collectives.CALIBRATION_SIZES
-    sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=2 if args.quick else 7, per_repeat=True)
-    link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")
+    sweep = collectives.sweep(2, ops=LINK_OPS, sizes=sizes, repeats=2 if args.quick else 7, per_repeat=True)
+    link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
+    print(link.describe(), flush=True)
     jobs = step_points(args.quick)
     predicted = {label: estimate(cfg, link).step_ms for label, cfg in jobs.items()}
-    variants = {label: (lambda r, cfg=cfg: {"step_ms": common.steady_step_s(run(cfg, progress=False)) * 1e3})
+    variants = {label: (lambda r, cfg=cfg: {"step_ms": common.steady_step_s(run(cfg, progress=False,
+                                                                               record=False)) * 1e3})
                 for label, cfg in jobs.items()}
     rows = common.interleave(variants, common.repeats(args, 3), log=print)
     errors, out = {}, []
@@ -111,16 +120,23 @@ def step_errors(args) -> None:
     median = common.median(counted.values())
     worst = max(counted, key=counted.get)
     common.result_line(f"{NAME}.step_median", median, "<= 0.15", quick=args.quick, passed=median <= 0.15,
-                       detail=f"{len(counted)} counted points; link alpha {link.alpha_s * 1e6:.0f} us, "
-                              f"{link.bandwidth_gbps:.2f} GB/s")
+                       detail=f"{len(counted)} counted points; links: {link.label}")
     common.result_line(f"{NAME}.step_worst", counted[worst], "<= 0.30", quick=args.quick,
                        passed=counted[worst] <= 0.30, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
     common.write_csv(args.out / f"{NAME}_steps.csv", out)
 
 
 def main() -> None:
-    args = common.parse(common.parser(__doc__))
-    step_errors(args)
+    p = common.parser(__doc__)
+    p.add_argument("--part", choices=("steps", "memory", "both"), default="both", help="what to measure (both)")
+    args = common.parse(p)
+    if args.part != "memory":
+        step_errors(args)
+    if args.part != "steps":
+        memory_errors(args)
+
+
+def memory_errors(args) -> None:
     rows, errors = [], {}
     for label, cfg in points(args.quick):
         est = estimate(cfg)

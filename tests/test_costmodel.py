@@ -91,6 +91,20 @@ def test_calibration_uses_each_ops_own_formula(op):
     assert link.ops == (op,)
 
 
+def test_calibrate_ops_fits_each_collective_on_its_own_sweep_and_falls_back_to_the_default():
+    sweep = pd.concat([synthetic_sweep("all_reduce"), synthetic_sweep("all_gather", alpha=3 * ALPHA, beta=4 * BETA)])
+    links = cm.calibrate_ops(sweep, ("all_reduce", "all_gather"), draws=0, label="loopback")
+    gather = links.links["all_gather"]
+    assert (gather.alpha_s, gather.beta_s_per_byte) == pytest.approx((3 * ALPHA, 4 * BETA), rel=1e-9)
+    assert links.predict("all_gather", 1 << 20, 2) == pytest.approx(gather.predict("all_gather", 1 << 20, 2))
+    # no reduce_scatter link: the default (all_reduce's) prices it, with reduce_scatter's own formula
+    assert links.predict("reduce_scatter", 1 << 20, 4) == pytest.approx(
+        links.links["all_reduce"].predict("reduce_scatter", 1 << 20, 4))
+    assert "(all_gather)" in gather.label
+    with pytest.raises(ValueError, match="default='broadcast'"):
+        cm.calibrate_ops(sweep, ("all_reduce",), default="broadcast")
+
+
 def test_robust_calibration_shrugs_off_an_outlier():
     df = synthetic_sweep()
     df.loc[2, "seconds"] *= 8  # one repeat set hit by a scheduler hiccup

@@ -107,3 +107,34 @@ def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble():
         opts = pipeline.Options(schedule=schedule, microbatches=4)
         return estimate(RunConfig(tier="pipeline", world_size=2, model_depth=4, tier_options=opts), fast).step_ms
     assert pipe("naive") > pipe("gpipe")
+
+
+def test_probe_prices_a_links_own_collectives():
+    from dtlab.analysis.estimate.probe import link_op
+
+    assert [link_op(op) for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "isend",
+                                   "irecv", "barrier")] == ["all_gather", "reduce_scatter", "all_reduce",
+                                                            "send_recv", None, None]
+
+
+@pytest.mark.slow
+def test_fake_backend_probe_sees_the_tiers_own_collectives(no_survivors):
+    """FSDP2 and tp run on torch's fake backend at world 2: the collectives they call per step are the ones the
+    tiers' rules say (an all-gather per unit and pass, a reduce-scatter per unit; Megatron's all-reduces)."""
+    from dtlab.analysis.costmodel.links import LinkModel
+    from dtlab.analysis.estimate.probe import probe
+    from dtlab.analysis.tensor_parallel import textbook_collectives
+
+    cfg = RunConfig(tier="fsdp", world_size=2, model_size=64, model_depth=2, steps=4)
+    units = len(fsdp.shard_units(build_job(cfg, torch.device("meta"))[0]))  # the mlp's root holds no parameters
+    ops = [op for op, _, _ in probe(cfg).collectives]
+    assert ops.count("all_gather_into_tensor") == 2 * units  # before forward, and again before backward
+    assert ops.count("reduce_scatter_tensor") == units
+    tp_cfg = cfg.replace(tier="tp", model_depth=3)
+    seen = sorted((op, size) for op, size, group in probe(tp_cfg).collectives if group == 2)
+    book = textbook_collectives(tp_cfg)
+    assert seen == sorted((op, int(b)) for op, calls, b in book[["op", "calls", "bytes"]].values for _ in range(calls))
+    slow, fast = LinkModel.from_bandwidth(50, 1e-3), LinkModel.from_bandwidth(50_000, 1e-5)
+    est = estimate(cfg, slow)
+    assert est.step_ms > estimate(cfg, fast).step_ms > 0
+    assert any("fake backend" in a for a in est.assumptions)

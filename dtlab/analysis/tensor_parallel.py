@@ -27,18 +27,21 @@ def _rows(rows: list[tuple[str, str, int, int, str]]) -> pd.DataFrame:
     return frame[frame["calls"] > 0].reset_index(drop=True)
 
 
-def textbook_collectives(cfg: RunConfig, vocab: int = 0, input_features: int = 64) -> pd.DataFrame:
+def textbook_collectives(cfg: RunConfig, vocab: int = 0, input_features: int = 64, classes: int = 10) -> pd.DataFrame:
     """Per step and rank: pass, op, calls, bytes per call and why, for ``cfg`` on the ``tp`` tier.
 
     ``vocab``: the text data set's characters (the charformer's classes);
-    ``input_features``: the mlp's input width (64 for the 8x8 digits).
+    ``input_features``: the mlp's input width (64 for the 8x8 digits); ``classes``: its outputs (10 digits).
     """
     o = cfg.tier_options
     b, w = cfg.global_batch_size, cfg.model_size
     if cfg.model == "mlp":
-        pairs = (cfg.model_depth + 1) // 2  # Linear layers are depth + 1; an odd last one stays whole
-        act = b * w * FLOAT
-        return _rows([("forward", "all_reduce", pairs, act, "g: the row-split Linear's partial sums"),
+        linears = cfg.model_depth + 1  # an odd last one stays whole
+        pairs, act = linears // 2, b * w * FLOAT
+        # with an even count the last pair's row-split Linear is the head: its partial sums are the logits
+        head = linears % 2 == 0
+        return _rows([("forward", "all_reduce", pairs - head, act, "g: the row-split Linear's partial sums"),
+                      ("forward", "all_reduce", int(head), b * classes * FLOAT, "g: the head's partial logits"),
                       # the first pair's input is the data: no gradient to reduce
                       ("backward", "all_reduce", pairs - 1, act, "f: the input gradient of each later pair")])
     layers, act, tokens = cfg.model_depth, b * SEQ_LEN * w * FLOAT, b * SEQ_LEN

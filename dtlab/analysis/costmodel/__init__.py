@@ -68,7 +68,8 @@ does not have (a simulation, with its ``assumptions``).
 The modules, one job each (every public name is re-exported here, so
 ``from dtlab.analysis import costmodel; costmodel.X`` reaches them all):
 
-* ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
+* ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``;
+  ``calibrate_ops`` fits one per collective, a ``LinkSet``);
 * ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``);
 * ``measure``: the code that starts runs (``measure``, ``measure_links``) and checks the step model
   against them (``validate``, ``validate_links``, ``summary``);
@@ -85,8 +86,10 @@ from dtlab.analysis.costmodel.links import (
     SWEEP_COLUMNS,
     Coefficients,
     LinkModel,
+    LinkSet,
     bootstrap,
     calibrate,
+    calibrate_ops,
     capped,
     coefficients,
     fit_alpha_beta,
@@ -127,9 +130,9 @@ from dtlab.analysis.costmodel.step import (
 
 __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
-    "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "MAX_TARGET", "MEDIAN_TARGET", "MIB",
-    "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
-    "calibrate", "capped",
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
+    "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
+    "calibrate", "calibrate_ops", "capped",
     "coefficients", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links", "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "split_buckets", "summary",
     "summary_line", "timeline_frame", "validate", "validate_links",

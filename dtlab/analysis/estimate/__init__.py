@@ -1,8 +1,11 @@
 """Predict a job's memory per rank before running it: ``dtlab.estimate(cfg)``, ``python -m dtlab estimate``.
 
-Nothing is launched: the model is built and run on fake tensors (shapes and
-dtypes only), so the estimate works for a user's own model and for sizes this
-machine could never hold. What comes back (``Estimate``):
+For memory nothing is launched: the model is built and run on fake tensors
+(shapes and dtypes only), so the estimate works for a user's own model and for
+sizes this machine could never hold. For step time (given a link) the compute is
+timed here; for fsdp, tp, fsdp-tp and cp the job's ranks run a few steps on
+torch's fake backend in child processes (``probe``: no peers, collectives free).
+What comes back (``Estimate``):
 
 * ``memory``: kind -> bytes on the rank that needs the most (``per_rank`` has every rank);
 * ``peak_bytes``: that rank's kinds added up -- an upper bound on what it holds at once,
@@ -24,7 +27,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.links import LinkModel, LinkSet
 from dtlab.analysis.estimate import step
 from dtlab.analysis.estimate.memory import RankMemory, per_rank
 from dtlab.core.config import RunConfig
@@ -51,9 +54,9 @@ class Estimate:
         return json.dumps(out, indent=2)
 
 
-def estimate(cfg: RunConfig, link: LinkModel | None = None) -> Estimate:
+def estimate(cfg: RunConfig, link: LinkModel | LinkSet | None = None) -> Estimate:
     """The job's predicted memory per rank (and its largest rank's), without starting a process; with a
-    ``link`` (an alpha-beta LinkModel), also its step time, one rank's compute timed in this process."""
+    ``link`` (an alpha-beta LinkModel, or a LinkSet of one per collective), also its step time."""
     ranks = per_rank(cfg)
     top = max(ranks, key=lambda r: r.total)
     notes = [f"tier {cfg.tier}, world size {cfg.world_size}, {cfg.model} width {cfg.model_size} depth "

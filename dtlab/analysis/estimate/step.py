@@ -1,7 +1,8 @@
 """A step's time, predicted: one rank's compute (timed here) plus each tier's communication on a link.
 
 The link is an alpha-beta ``LinkModel`` (``dtlab.analysis.costmodel``): calibrated
-on a collectives sweep, or built from a bandwidth and latency for a what-if. Per tier:
+on a collectives sweep, or built from a bandwidth and latency for a what-if; or a
+``LinkSet``, one link per collective, each calibrated on that collective's sweep. Per tier:
 
 * ``single``: data + forward + backward + optimizer.
 * ``ddp``, ``multinode``, ``elastic``: DDP's buckets (torch's own assignment by size)
@@ -11,9 +12,12 @@ on a collectives sweep, or built from a bandwidth and latency for a what-if. Per
   machine's copy speed (one with ``gradient_as_bucket_view``).
 * ``zero``: DDP, plus one broadcast per parameter from the rank that updated it; the
   optimizer steps only the largest rank's share of the parameters.
-* ``fsdp``: each unit's all-gather before its forward and again before its backward
-  (``reshard_after_forward``), and its reduce-scatter after; on CPU FSDP2 runs its
-  collectives in the training thread, so all of it is exposed.
+* ``fsdp``, ``tp``, ``fsdp-tp``, ``cp``: their own CPU work is large and tier-specific
+  (FSDP2's copy-in and copy-out around every collective and its optimizer on DTensors;
+  DTensor's dispatch on every op), so rank 0 runs dtlab's own loop on torch's fake
+  backend (``probe``: collectives free, everything else as at world n), and every
+  collective it called in a steady step is priced on the link and added, all of it
+  exposed: on CPU these tiers run their collectives in the training thread.
 * ``pipeline``: per stage and micro-batch, forward + backward + its transfers; GPipe
   and 1F1B take (M - 1) x the slowest stage + the sum of the stages (the bubble is the
   same for both), ``naive`` takes M x the sum.
@@ -24,14 +28,15 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.links import LinkModel, LinkSet
 from dtlab.analysis.costmodel.step import predict_ddp_step
-from dtlab.analysis.estimate import compute
-from dtlab.analysis.estimate.memory import fsdp_units, nbytes, shard_rows, zero_partition
+from dtlab.analysis.estimate import compute, probe
+from dtlab.analysis.estimate.memory import nbytes, zero_partition
 from dtlab.core.config import RunConfig
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
-STEP_TIERS = ("single", "ddp", "multinode", "elastic", "zero", "fsdp", "pipeline")
+PROBED_TIERS = ("fsdp", "tp", "fsdp-tp", "cp")
+STEP_TIERS = ("single", "ddp", "multinode", "elastic", "zero", "pipeline", *PROBED_TIERS)
 
 
 def ddp_buckets(model: nn.Module, cap_mb: float) -> list[int]:
@@ -42,7 +47,7 @@ def ddp_buckets(model: nn.Module, cap_mb: float) -> list[int]:
     return [sum(nbytes(params[i]) for i in g) for g in groups]
 
 
-def predict(cfg: RunConfig, model: nn.Module, link: LinkModel) -> tuple[float, list[str]]:
+def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tuple[float, list[str]]:
     """Seconds per step and the assumptions behind them; ValueError naming a tier without a rule."""
     if cfg.tier not in STEP_TIERS:
         raise ValueError(f"estimate: no step-time rule for tier {cfg.tier!r} yet (rules: {', '.join(STEP_TIERS)})")
@@ -51,14 +56,14 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel) -> tuple[float, l
              f"link: {link.label}"]
     if cfg.tier == "pipeline":
         return pipelined(cfg, link, notes)
+    if cfg.tier in PROBED_TIERS and n > 1:
+        return probed(cfg, link, notes)
     acc = int(getattr(cfg.tier_options, "accumulation_steps", 1) or 1)
     ph = compute.phases(cfg, cfg.per_rank_batch // acc)
     ph = {k: v * acc if k in ("forward", "backward") else v for k, v in ph.items()}
     if cfg.tier == "single" or n == 1 and cfg.tier == "fsdp":
         return sum(ph.values()), notes
     grad_bytes = sum(nbytes(p) for p in model.parameters())
-    if cfg.tier == "fsdp":
-        return sharded(cfg, model, link, ph, notes)
     passes = 1 if getattr(cfg.tier_options, "gradient_as_bucket_view", False) else 3
     overhead = passes * grad_bytes * compute.copy_seconds_per_byte()
     buckets = ddp_buckets(model, cfg.tier_options.bucket_cap_mb)
@@ -73,23 +78,27 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel) -> tuple[float, l
     return step, notes
 
 
-def sharded(cfg: RunConfig, model: nn.Module, link: LinkModel, ph: dict[str, float],
-            notes: list[str]) -> tuple[float, list[str]]:
-    """FSDP2 on CPU: compute, the optimizer on a 1/n shard, and every all-gather and reduce-scatter exposed."""
-    n = cfg.world_size
-    again = getattr(cfg.tier_options, "reshard_after_forward", True)
-    comm = 0.0
-    units = fsdp_units(model)
-    for i, unit in enumerate(units):
-        full = sum(shard_rows(p, n) for p in unit) * n  # the padded unsharded unit, as the all-gather moves it
-        gathers = 2 if again and i < len(units) - 1 else 1  # the root stays gathered for backward
-        comm += gathers * link.predict("all_gather", full, n) + link.predict("reduce_scatter", full, n)
-    notes.append("FSDP2: all-gather per unit before forward and again before backward (not the root), "
-                 "reduce-scatter per unit; all exposed on CPU")
-    return ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"] / n + comm, notes
+def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple[float, list[str]]:
+    """Rank 0 on the fake backend (``probe``): its step with free collectives, plus each collective it called,
+    priced on the link; all exposed (on CPU, FSDP2's and DTensor's collectives run in the training thread)."""
+    measured = probe.probe(cfg)
+    comm, unpriced = 0.0, set()
+    for op, size, group in measured.collectives:
+        name = probe.link_op(op)
+        if name is None:
+            unpriced.add(op)
+            continue
+        comm += link.predict(name, size, group)
+    notes.append(f"{cfg.tier}: rank 0's step on torch's fake backend (compute and the tier's own CPU work, "
+                 f"collectives free): {measured.step_s * 1e3:.3g} ms, timed in a child process; plus its "
+                 f"{len(measured.collectives)} collectives per step priced on the link ({comm * 1e3:.3g} ms), "
+                 "all exposed")
+    if unpriced:
+        notes.append(f"not priced (no link rule): {', '.join(sorted(unpriced))}")
+    return measured.step_s + comm, notes
 
 
-def pipelined(cfg: RunConfig, link: LinkModel, notes: list[str]) -> tuple[float, list[str]]:
+def pipelined(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple[float, list[str]]:
     m = cfg.tier_options.microbatches
     stages = compute.stage_phases(cfg)
     costs = []

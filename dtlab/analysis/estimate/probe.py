@@ -1,0 +1,126 @@
+"""One rank of a job on torch's fake backend: its compute plus the tier's own CPU work, with free collectives.
+
+torch.distributed's ``fake`` process group returns from every collective at once without moving a byte,
+so a single process can be one rank of a world of n: the tier shards, splits and hooks exactly as at world
+n (FSDP2's copy-in and copy-out around each all-gather, DTensor's dispatch on every op, the optimizer on
+sharded parameters), and dtlab's own training loop times what is left of a step when communication
+costs nothing. The n ranks run at once, each in its own child process (the caller's process-group state
+stays untouched), so they contend for this machine's cores and memory as the job's ranks do. Each runs
+two loops:
+
+* one recorded for a few steps: the collectives the tier itself calls in a steady step, op and bytes
+  (``Probe.collectives``), its communication inventory for the link to price;
+* one unrecorded, timed: the median steady step (``Probe.step_s``) and its phases.
+
+Nothing of a real distributed run is looked at, so a prediction built on a probe is not fitted on the
+run it predicts. The fake backend is what torch's own tests use for this (it is registered by
+importing ``torch.testing._internal.distributed.fake_pg``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from dtlab.core.config import RunConfig
+
+__all__ = ["Probe", "link_op", "probe"]
+
+TIMED_STEPS = 10
+WARMUP = 2  # the first steps set up buckets, optimizer state and DTensor's caches
+RECORDED_STEPS = 2  # step 1 is steady: its collectives are every later step's
+PROBE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Probe:
+    step_s: float
+    phases: dict[str, float]
+    collectives: list[tuple[str, int, int]]  # (op as the recorder names it, bytes, group size), one steady step
+
+
+def link_op(op: str) -> str | None:
+    """The LinkModel op that prices a recorded collective (None: not priced, e.g. a barrier)."""
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        if op.startswith(name):
+            return name
+    if op in ("send", "isend"):  # a ring exchange: every rank sends and receives at once, counted once
+        return "send_recv"
+    return None
+
+
+def _child(cfg: RunConfig, rank: int, conn: Any) -> None:
+    try:
+        conn.send(("ok", _measure(cfg, rank)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it with context
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def _measure(cfg: RunConfig, rank: int) -> Probe:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401 - registers the "fake" backend
+
+    from dtlab.core.env import DistInfo
+    from dtlab.launch.rank import call_recorded
+    from dtlab.train.loop import train
+
+    # FSDP2's all_gather_into_tensor/reduce_scatter_tensor names are deprecated in torch 2.13: not news here
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=cfg.world_size)
+    # The tier's code paths are gloo's: the fake group stands in for it.
+    info = DistInfo(rank, rank, cfg.world_size, cfg.world_size, "gloo", torch.device("cpu"))
+    try:
+        recorded = call_recorded(train, info, (cfg.replace(steps=RECORDED_STEPS),), True)
+        timed = train(info, cfg.replace(steps=WARMUP + TIMED_STEPS))
+    finally:
+        dist.destroy_process_group()
+    steady = timed.steps[WARMUP:]
+    collectives = [(e["op"], int(e["bytes"]), int(e["group_size"])) for e in recorded.events
+                   if e["step"] == RECORDED_STEPS - 1 and e["op"] != "barrier"]
+    phases = {k: statistics.median(s[k] for s in steady) for k in ("data", "forward", "backward", "optimizer")
+              if k in steady[0]}
+    return Probe(statistics.median(s["total"] for s in steady), phases, collectives)
+
+
+def probe(cfg: RunConfig) -> Probe:
+    """Every rank of ``cfg`` on the fake backend, each in a spawned child process, all at once: they share
+    this machine's cores and memory as the job's ranks would. The step is the slowest rank's; the
+    collectives are rank 0's. A few seconds: each child imports torch."""
+    ctx = mp.get_context("spawn")
+    procs, pipes = [], []
+    for rank in range(cfg.world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(cfg, rank, child), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        pipes.append(parent)
+    try:
+        answers = [_answer(cfg, pipe) for pipe in pipes]
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    slowest = max(answers, key=lambda p: p.step_s)
+    return Probe(slowest.step_s, slowest.phases, answers[0].collectives)
+
+
+def _answer(cfg: RunConfig, pipe: Any) -> Probe:
+    if not pipe.poll(PROBE_TIMEOUT_S):
+        raise RuntimeError(f"estimate: the fake-backend probe of {cfg.tier} gave no answer in {PROBE_TIMEOUT_S:.0f} s")
+    try:
+        status, value = pipe.recv()
+    except EOFError:
+        raise RuntimeError(f"estimate: a fake-backend probe of tier {cfg.tier} ended without an answer") from None
+    if status != "ok":
+        raise RuntimeError(f"estimate: the fake-backend probe of tier {cfg.tier} failed: {value}")
+    return value
