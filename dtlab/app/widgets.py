@@ -28,6 +28,7 @@ from dtlab import plots, tiers
 from dtlab.analysis.elastic import timeline
 from dtlab.analysis.frames import breakdown_frame
 from dtlab.app.history import HISTORY, load_history, saved_loss_curve
+from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
 from dtlab.core import options
 from dtlab.core.config import MODELS, PRECISIONS, RunConfig
 from dtlab.core.registry import TierSpec

@@ -1,0 +1,23 @@
+"""Plan a training run on a real cluster: which layouts fit, and how fast each would step (a projection).
+
+    from dtlab.analysis import planner
+    plan = planner.search(planner.LLAMA2_7B, planner.H100_SXM, gpus=64, global_batch=1024)
+    plan.table.head()          # ranked: feasible first, then by predicted step time
+    plan.assumptions           # every figure and formula it rests on
+    cfg = planner.scaled_down(plan.best())   # the same strategies, as a job this machine runs
+
+Pure arithmetic on published figures (``clusters``) and a model's shape
+(``transformer``); ``search`` enumerates the layouts. Nothing here starts a
+process: the app layer (``dtlab.widgets.planner``) runs the scaled-down job.
+"""
+
+from __future__ import annotations
+
+from dtlab.analysis.planner.clusters import A100_80GB, CLUSTERS, H100_SXM, H200_SXM, Cluster
+from dtlab.analysis.planner.scaled import scaled_down, scaled_tier
+from dtlab.analysis.planner.search import KINDS, MFU, Layout, Plan, assumptions, evaluate, layouts, search
+from dtlab.analysis.planner.transformer import LLAMA2_7B, LLAMA2_70B, MODELS, TransformerSpec, from_charformer
+
+__all__ = ["A100_80GB", "CLUSTERS", "H100_SXM", "H200_SXM", "KINDS", "LLAMA2_70B", "LLAMA2_7B", "MFU", "MODELS",
+           "Cluster", "Layout", "Plan", "TransformerSpec", "assumptions", "evaluate", "from_charformer", "layouts",
+           "scaled_down", "scaled_tier", "search"]

@@ -1,0 +1,205 @@
+"""A decoder-only transformer on paper: parameters, FLOPs and activation bytes, from its shape alone.
+
+Nothing is built: a 70B model is a handful of integers. The formulas and where they come from:
+
+* parameters: counted layer by layer from the shape (each Linear's weight and, where the
+  model has one, its bias; each norm's weight, and its bias for LayerNorm; embeddings
+  and the vocabulary head). ``from_charformer`` gives dtlab's own model, so a test can
+  hold the count against the real ``nn.Module``.
+* training FLOPs per token: ``6 N`` for the weight matmuls (forward 2N, backward 4N)
+  plus ``12 L h s`` for attention's scores and weighted sum (forward ``4 s h`` per
+  layer), as PaLM's model-FLOPs count does (Chowdhery et al. 2022, "PaLM", appendix
+  B). N counts the matmul weights only: embedding lookups, norms and biases do no
+  matmul. Recomputation adds forward work that the model-FLOPs count leaves out.
+* activation bytes per layer and micro-batch: Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models" (arXiv 2205.05198), sec. 4:
+  ``s b h (34 + 5 a s / h)`` with 16-bit activations; with tensor parallelism over t
+  ranks ``s b h (10 + 24/t + 5 a s/(h t))``; with sequence parallelism too
+  ``s b h / t (34 + 5 a s / h)``; selective recomputation drops the ``5 a s / h``
+  term (the attention core is recomputed); full recomputation keeps ``2 s b h`` (the
+  layer's input). Their coefficients are for a GPT block (a 4h MLP, multi-head
+  attention); for other blocks they are an approximation, and ``assumptions`` says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+__all__ = ["LLAMA2_70B", "LLAMA2_7B", "MODELS", "RECOMPUTE", "TransformerSpec", "from_charformer", "get"]
+
+RECOMPUTE = ("none", "selective", "full")
+NORMS = ("rms", "layer")
+BIASES = frozenset({"q", "k", "v", "out", "mlp", "head"})
+LLAMA2_SOURCE = ("Touvron et al. 2023, 'Llama 2: Open Foundation and Fine-Tuned Chat Models' (arXiv 2307.09288), "
+                 "Table 1 (4k context; grouped-query attention for 70B); shapes from the released configurations "
+                 "(huggingface.co/meta-llama/Llama-2-7b-hf and Llama-2-70b-hf, config.json): SwiGLU MLP, RMSNorm, "
+                 "rotary positions, no biases, untied 32000-token embedding and head")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TransformerSpec.{name}={value!r} is invalid: must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A decoder-only transformer's shape. ``gated_mlp``: three MLP matrices (SwiGLU) instead of two."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq: int
+    vocab: int
+    gated_mlp: bool = True
+    norm: str = "rms"  # "rms": a weight per norm; "layer": a weight and a bias
+    biases: frozenset[str] = field(default_factory=frozenset)  # Linears with a bias, of BIASES
+    learned_positions: bool = False  # a position embedding table (seq x hidden); False: rotary, no parameters
+    tied_embeddings: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab"):
+            _positive_int(name, getattr(self, name))
+        if self.hidden % self.heads:
+            raise ValueError(f"TransformerSpec.heads={self.heads} is invalid: must divide hidden={self.hidden}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"TransformerSpec.kv_heads={self.kv_heads} is invalid: must divide heads={self.heads}")
+        if self.norm not in NORMS:
+            raise ValueError(f"TransformerSpec.norm={self.norm!r} is invalid: choose one of {', '.join(NORMS)}")
+        object.__setattr__(self, "biases", frozenset(self.biases))
+        unknown = sorted(self.biases - BIASES)
+        if unknown:
+            raise ValueError(f"TransformerSpec.biases={unknown} is invalid: choose from {sorted(BIASES)}")
+
+    # -- shape ---------------------------------------------------------------------
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    def _norm(self) -> int:
+        return self.hidden * (2 if self.norm == "layer" else 1)
+
+    # -- parameters ----------------------------------------------------------------
+    def layer_matmul(self) -> int:
+        """One block's weight-matrix elements: q, k, v, out and the MLP."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + self.mlp_matrices * h * self.ffn
+
+    def layer_parameters(self, tp: int = 1) -> int:
+        """One block's parameters on one of ``tp`` tensor-parallel ranks (Megatron's split: column-parallel q, k,
+        v and MLP-in with their biases, row-parallel out and MLP-out; their biases and the norms stay whole)."""
+        h, b = self.hidden, self.biases
+        split = self.layer_matmul()
+        split += (h if "q" in b else 0) + (self.kv_dim if "k" in b else 0) + (self.kv_dim if "v" in b else 0)
+        split += self.ffn * (self.mlp_matrices - 1) if "mlp" in b else 0
+        whole = 2 * self._norm() + (h if "out" in b else 0) + (h if "mlp" in b else 0)
+        return -(-split // tp) + whole
+
+    def embedding_parameters(self, tp: int = 1) -> int:
+        """The token embedding (split over the vocabulary under TP) and a learned position table (kept whole)."""
+        return -(-self.vocab * self.hidden // tp) + (self.seq * self.hidden if self.learned_positions else 0)
+
+    def head_parameters(self, tp: int = 1) -> int:
+        """The final norm and the vocabulary head (none of its own when tied to the embedding)."""
+        head = 0 if self.tied_embeddings else self.hidden * self.vocab
+        head += self.vocab if "head" in self.biases else 0
+        return self._norm() + -(-head // tp)
+
+    def parameters(self) -> int:
+        return self.layers * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
+
+    def matmul_parameters(self) -> int:
+        """N of ``6 N``: every weight a matmul reads, the vocabulary head included even when tied."""
+        return self.layers * self.layer_matmul() + self.hidden * self.vocab
+
+    # -- FLOPs ---------------------------------------------------------------------
+    def flops_per_token(self, recompute: str = "none") -> float:
+        """Training FLOPs per token (forward and backward), with what recomputation adds."""
+        _check_recompute(recompute)
+        n, attention = self.matmul_parameters(), 4 * self.layers * self.hidden * self.seq  # attention: forward
+        flops = 6 * n + 3 * attention
+        if recompute == "full":  # every block's forward runs again in backward (the head's does not)
+            flops += 2 * self.layers * self.layer_matmul() + attention
+        elif recompute == "selective":  # only the attention core runs again
+            flops += attention
+        return float(flops)
+
+    def model_flops_per_token(self) -> float:
+        """What MFU counts: the work the model needs, without recomputation."""
+        return self.flops_per_token("none")
+
+    # -- activations ---------------------------------------------------------------
+    def activation_bytes(self, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                         recompute: str = "none", bytes_per_value: int = 2) -> float:
+        """Bytes one block keeps for backward for one micro-batch (Korthikanti et al. 2022, sec. 4 and 5)."""
+        _check_recompute(recompute)
+        s, b, h, a = self.seq, micro_batch, self.hidden, self.heads
+        scale = bytes_per_value / 2  # the paper counts 16-bit values (and 1-byte dropout masks)
+        if recompute == "full":
+            return 2 * s * b * h * scale
+        scores = 0.0 if recompute == "selective" else 5 * a * s / h
+        if tp == 1 or sequence_parallel:
+            per = s * b * h / tp * (34 + scores)
+        else:
+            per = s * b * h * (10 + 24 / tp + scores / tp)
+        return per * scale
+
+    def output_activation_bytes(self, micro_batch: int, tp: int = 1, bytes_per_value: int = 2) -> float:
+        """The vocabulary head and the loss: ``4 s b h / t (1 + v / h)`` (Korthikanti et al. 2022, sec. 4.3)."""
+        s, b, h = self.seq, micro_batch, self.hidden
+        return 4 * s * b * h / tp * (1 + self.vocab / h) * bytes_per_value / 2
+
+    def assumptions(self) -> list[str]:
+        notes = [f"model {self.name}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads "
+                 f"({self.kv_heads} key/value heads), MLP {self.ffn}{' (gated)' if self.gated_mlp else ''}, "
+                 f"sequence {self.seq}, vocabulary {self.vocab}: {self.parameters() / 1e9:.3g} B parameters"
+                 + (f" ({self.source})" if self.source else "")]
+        if self.gated_mlp or self.kv_heads != self.heads or self.ffn != 4 * self.hidden:
+            notes.append("activation bytes use Korthikanti et al.'s coefficients for a GPT block (4h MLP, multi-head "
+                         "attention): an approximation for this block's shape")
+        return notes
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"checkpointing={recompute!r} is invalid: choose one of {', '.join(RECOMPUTE)}")
+
+
+LLAMA2_7B = TransformerSpec("Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, seq=4096,
+                            vocab=32000, source=LLAMA2_SOURCE)
+LLAMA2_70B = TransformerSpec("Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, seq=4096,
+                             vocab=32000, source=LLAMA2_SOURCE)
+MODELS: dict[str, TransformerSpec] = {"7B": LLAMA2_7B, "70B": LLAMA2_70B}
+
+
+def get(name: str) -> TransformerSpec:
+    """A named size: ``7B`` or ``70B``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model size {name!r}: choose one of {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def from_charformer(width: int, depth: int, vocab: int | None = None, seq: int | None = None) -> TransformerSpec:
+    """dtlab's ``charformer`` (``dtlab.core.models.CharFormer``) as a spec; vocabulary and sequence default to
+    the shipped text data set's. Its block is GPT's: a 4x LayerNorm MLP with biases, learned positions, and
+    no bias on the key projection (see ``docs/determinism.md``)."""
+    from dtlab.core import data as datasets
+    from dtlab.core.models import CharFormer
+
+    heads = inspect.signature(CharFormer.__init__).parameters["heads"].default  # what models.build leaves it at
+    if vocab is None or seq is None:
+        text = datasets.load("text", 0, 0)
+        vocab = text.num_classes if vocab is None else vocab
+        seq = text.input_shape[0] if seq is None else seq
+    return TransformerSpec(f"charformer w{width} d{depth}", layers=depth, hidden=width, heads=heads, kv_heads=heads,
+                           ffn=4 * width, seq=seq, vocab=vocab, gated_mlp=False, norm="layer",
+                           biases=frozenset({"q", "v", "out", "mlp", "head"}), learned_positions=True,
+                           source="dtlab.core.models.CharFormer")
