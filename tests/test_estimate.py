@@ -71,7 +71,16 @@ def test_cli_json_has_the_documented_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"memory", "peak_bytes", "step_ms", "assumptions"} <= out.keys()
     assert set(out["memory"]) == set(KINDS) and out["peak_bytes"] == sum(out["memory"].values())
-    assert len(out["per_rank"]) == 2
+    assert len(out["per_rank"]) == 2 and out["step_ms"] is None
+
+
+def test_cli_predicts_the_step_on_a_given_link_and_names_a_bad_one(capsys):
+    assert main(["estimate", "--tier", "ddp", "--world-size", "2", "--model-size", "64", "--link", "1000:80",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_ms"] > 0 and any("1000 Mbit/s, alpha 80 us" in a for a in out["assumptions"])
+    assert main(["estimate", "--link", "fast"]) == 2
+    assert "--link='fast' is invalid" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tier, extra", [

@@ -279,9 +279,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def parse_link(text: str) -> Any:
+    """``--link MBIT[:ALPHA_US]`` as a LinkModel (alpha 50 us if not given); ValueError naming the flag."""
+    from dtlab.analysis.costmodel.links import LinkModel
+
+    mbit, _, alpha = text.partition(":")
+    try:
+        return LinkModel.from_bandwidth(float(mbit), float(alpha or 50) * 1e-6)
+    except ValueError as exc:
+        raise ValueError(f"--link={text!r} is invalid: give MBIT[:ALPHA_US], e.g. 10000:50 ({exc})") from None
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """``estimate``: the job's predicted memory per rank (and step time where modelled), nothing launched."""
-    est = estimate.estimate(config_from_args(args, args.tier, args.world_size))
+    """``estimate``: the job's predicted memory per rank, nothing launched; with ``--link``, its step time too."""
+    link = parse_link(args.link) if args.link else None
+    est = estimate.estimate(config_from_args(args, args.tier, args.world_size), link)
     if args.json:
         print(est.to_json())
         return 0
@@ -289,6 +301,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for kind, nbytes in est.memory.items():
         print(f"  {kind:16} {nbytes / 2**20:10.3f} MiB")
     print(f"  {'peak (sum)':16} {est.peak_bytes / 2**20:10.3f} MiB")
+    if est.step_ms is not None:
+        print(f"  {'step time':16} {est.step_ms:10.3f} ms")
     print("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions))
     return 0
 
@@ -327,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--tier", default="single", help=f"one of {', '.join(tiers.TIERS)}")
     p_est.add_argument("--world-size", type=int, default=1)
     p_est.add_argument("--json", action="store_true", help="JSON: memory, peak_bytes, step_ms, assumptions, per_rank")
+    p_est.add_argument("--link", default="", metavar="MBIT[:ALPHA_US]",
+                       help="predict the step time too, on a link of this bandwidth (Mbit/s) and latency (us, "
+                            "default 50); compute is timed on this machine")
     _add_job_args(p_est)
     p_est.set_defaults(func=cmd_estimate)
     p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")

@@ -1,11 +1,12 @@
 """One rank's compute, timed in this process: the compute side of a predicted step.
 
-A step's arithmetic does not depend on how ranks talk, so it is timed here, on
-this machine, with the threads a rank of the job would get: the model at its
+A step's arithmetic does not depend on how ranks talk, so it is timed on this
+machine, with the threads a rank of the job would get: the model at its
 per-rank (or per-stage, per-micro-batch) size, forward with the loss, backward,
-the optimizer step, each the median of a few repeats after a warm-up. No process
-is started and no distributed run is looked at: what is predicted is never
-what was fitted.
+the optimizer step, each the median of a few repeats after a warm-up. For a job
+of n ranks, n copies are timed at once in child processes (``together``), since
+the ranks share the machine. No distributed run is looked at: what is predicted
+is never what was fitted.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from dtlab.analysis.estimate.together import run_together
 from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job, optimizer_factory
 from dtlab.tiers import pipeline
 
-REPEATS = 7
-WARMUP = 2
+REPEATS = 15  # the median of 15: a burst of load moves fewer than half of them
+WARMUP = 3
 
 
 @contextmanager
@@ -44,8 +46,12 @@ def _median_phases(step: Callable[[], dict[str, float]], repeats: int) -> dict[s
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def phases(cfg: RunConfig, samples: int, repeats: int = REPEATS) -> dict[str, float]:
-    """Seconds of data, forward (with the loss), backward and optimizer for ``samples`` samples on one rank."""
+def phases(cfg: RunConfig, samples: int, repeats: int = REPEATS, ranks: int = 1) -> dict[str, float]:
+    """Seconds of data, forward (with the loss), backward and optimizer for ``samples`` samples on one rank;
+    with ``ranks`` > 1, timed in that many processes at once (``together``) and the slowest one's."""
+    if ranks > 1:
+        runs = run_together(phases, [(cfg, samples, repeats)] * ranks, f"timing {ranks} ranks' compute")
+        return max(runs, key=lambda ph: sum(ph.values()))
     model, data = build_job(cfg, torch.device("cpu"))
     optimizer = optimizer_factory(cfg)(model.parameters())
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -70,9 +76,13 @@ def phases(cfg: RunConfig, samples: int, repeats: int = REPEATS) -> dict[str, fl
         return _median_phases(step, repeats)
 
 
-def stage_phases(cfg: RunConfig, repeats: int = REPEATS) -> list[dict[str, float]]:
+def stage_phases(cfg: RunConfig, repeats: int = REPEATS, ranks: int = 1) -> list[dict[str, float]]:
     """Per pipeline stage: forward and backward seconds of one micro-batch, the optimizer over its slice,
-    and ``out_bytes``, what it sends to the next stage per micro-batch."""
+    and ``out_bytes``, what it sends to the next stage per micro-batch; with ``ranks`` > 1, every stage
+    timed in that many processes at once, each time the slowest one's."""
+    if ranks > 1:
+        runs = run_together(stage_phases, [(cfg, repeats)] * ranks, f"timing {ranks} ranks' stages")
+        return [{k: max(run[s][k] for run in runs) for k in runs[0][s]} for s in range(len(runs[0]))]
     model, data = build_job(cfg, torch.device("cpu"))
     stages = pipeline.split_model(model, cfg.world_size, cfg.model_depth)
     micro = cfg.global_batch_size // cfg.tier_options.microbatches

@@ -19,19 +19,17 @@ importing ``torch.testing._internal.distributed.fake_pg``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 from dataclasses import dataclass
-from typing import Any
 
+from dtlab.analysis.estimate.together import run_together
 from dtlab.core.config import RunConfig
 
 __all__ = ["Probe", "link_op", "probe"]
 
-TIMED_STEPS = 10
+TIMED_STEPS = 15
 WARMUP = 2  # the first steps set up buckets, optimizer state and DTensor's caches
 RECORDED_STEPS = 2  # step 1 is steady: its collectives are every later step's
-PROBE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -49,15 +47,6 @@ def link_op(op: str) -> str | None:
     if op in ("send", "isend"):  # a ring exchange: every rank sends and receives at once, counted once
         return "send_recv"
     return None
-
-
-def _child(cfg: RunConfig, rank: int, conn: Any) -> None:
-    try:
-        conn.send(("ok", _measure(cfg, rank)))
-    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it with context
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
 
 
 def _measure(cfg: RunConfig, rank: int) -> Probe:
@@ -93,34 +82,7 @@ def probe(cfg: RunConfig) -> Probe:
     """Every rank of ``cfg`` on the fake backend, each in a spawned child process, all at once: they share
     this machine's cores and memory as the job's ranks would. The step is the slowest rank's; the
     collectives are rank 0's. A few seconds: each child imports torch."""
-    ctx = mp.get_context("spawn")
-    procs, pipes = [], []
-    for rank in range(cfg.world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(cfg, rank, child), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        pipes.append(parent)
-    try:
-        answers = [_answer(cfg, pipe) for pipe in pipes]
-    finally:
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    answers = run_together(_measure, [(cfg, rank) for rank in range(cfg.world_size)],
+                           f"the fake-backend probe of tier {cfg.tier}")
     slowest = max(answers, key=lambda p: p.step_s)
     return Probe(slowest.step_s, slowest.phases, answers[0].collectives)
-
-
-def _answer(cfg: RunConfig, pipe: Any) -> Probe:
-    if not pipe.poll(PROBE_TIMEOUT_S):
-        raise RuntimeError(f"estimate: the fake-backend probe of {cfg.tier} gave no answer in {PROBE_TIMEOUT_S:.0f} s")
-    try:
-        status, value = pipe.recv()
-    except EOFError:
-        raise RuntimeError(f"estimate: a fake-backend probe of tier {cfg.tier} ended without an answer") from None
-    if status != "ok":
-        raise RuntimeError(f"estimate: the fake-backend probe of tier {cfg.tier} failed: {value}")
-    return value

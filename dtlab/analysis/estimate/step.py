@@ -52,14 +52,14 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     if cfg.tier not in STEP_TIERS:
         raise ValueError(f"estimate: no step-time rule for tier {cfg.tier!r} yet (rules: {', '.join(STEP_TIERS)})")
     n = cfg.world_size
-    notes = [f"compute timed in this process with {cfg.resolved_threads} thread(s), as one rank of the job gets; "
-             f"link: {link.label}"]
+    notes = [f"compute timed with {cfg.resolved_threads} thread(s), as one rank of the job gets, in {n} "
+             f"process(es) at once, as the job's ranks share this machine; link: {link.label}"]
     if cfg.tier == "pipeline":
         return pipelined(cfg, link, notes)
     if cfg.tier in PROBED_TIERS and n > 1:
         return probed(cfg, link, notes)
     acc = int(getattr(cfg.tier_options, "accumulation_steps", 1) or 1)
-    ph = compute.phases(cfg, cfg.per_rank_batch // acc)
+    ph = compute.phases(cfg, cfg.per_rank_batch // acc, ranks=n)
     ph = {k: v * acc if k in ("forward", "backward") else v for k, v in ph.items()}
     if cfg.tier == "single" or n == 1 and cfg.tier == "fsdp":
         return sum(ph.values()), notes
@@ -100,7 +100,7 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
 
 def pipelined(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple[float, list[str]]:
     m = cfg.tier_options.microbatches
-    stages = compute.stage_phases(cfg)
+    stages = compute.stage_phases(cfg, ranks=cfg.world_size)
     costs = []
     for s, st in enumerate(stages):
         sends = st["out_bytes"]  # forward: the activation out; backward: its gradient back in
