@@ -9,11 +9,11 @@ World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
 Step time: one link per collective is calibrated on a sweep of that collective at
 world size 2 (``costmodel.calibrate_ops``: all_reduce, all_gather, reduce_scatter,
-broadcast), then each step point is predicted (one rank's compute timed in this
-process, or for fsdp, tp and cp every rank on the fake backend; the tier's
-communication on the links) and run unrecorded (the prediction is of training,
-not of dtlab's instrumentation), its measured step the median over rounds of the
-run's steady median, the rounds interleaved. World size 4 is oversubscribed on 2
+broadcast), then in each round every step point is predicted (its ranks' compute
+timed at once in child processes, for fsdp, tp and cp on the fake backend; the
+tier's communication on the links) and run unrecorded (the prediction is of
+training, not of dtlab's instrumentation), side by side, the rounds interleaved:
+a point's prediction and measurement are the medians over rounds. World size 4 is oversubscribed on 2
 cores: reported, not counted.
 
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
@@ -104,17 +104,22 @@ def step_errors(args) -> None:
     link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
     print(link.describe(), flush=True)
     jobs = step_points(args.quick)
-    predicted = {label: estimate(cfg, link).step_ms for label, cfg in jobs.items()}
-    variants = {label: (lambda r, cfg=cfg: {"step_ms": common.steady_step_s(run(cfg, progress=False,
-                                                                               record=False)) * 1e3})
-                for label, cfg in jobs.items()}
+
+    def side_by_side(cfg: RunConfig) -> dict[str, float]:
+        # predicted and measured in the same round: a shared machine's speed drifts between rounds
+        predicted = estimate(cfg, link).step_ms
+        return {"predicted_ms": predicted,
+                "step_ms": common.steady_step_s(run(cfg, progress=False, record=False)) * 1e3}
+
+    variants = {label: (lambda r, cfg=cfg: side_by_side(cfg)) for label, cfg in jobs.items()}
     rows = common.interleave(variants, common.repeats(args, 3), log=print)
     errors, out = {}, []
     for label in jobs:
         measured = common.median(common.per_round(rows, label, "step_ms").values())
-        errors[label] = (predicted[label] - measured) / measured
-        out.append({"point": label, "predicted_ms": predicted[label], "measured_ms": measured, "error": errors[label]})
-        print(f"  {label:32} predicted {predicted[label]:8.2f} ms  measured {measured:8.2f} ms  "
+        predicted = common.median(common.per_round(rows, label, "predicted_ms").values())
+        errors[label] = (predicted - measured) / measured
+        out.append({"point": label, "predicted_ms": predicted, "measured_ms": measured, "error": errors[label]})
+        print(f"  {label:32} predicted {predicted:8.2f} ms  measured {measured:8.2f} ms  "
               f"error {errors[label]:+.1%}", flush=True)
     counted = {k: abs(v) for k, v in errors.items() if "oversubscribed" not in k}
     median = common.median(counted.values())
