@@ -39,7 +39,29 @@ def default_group() -> Any:
         raise _missing("torch.distributed.distributed_c10d._get_default_group", exc) from None
 
 
+def register_fake_backend() -> None:
+    """Make ``init_process_group("fake")`` available: torch registers its fake process group (collectives
+    return at once, no data moves) only when ``torch.testing._internal.distributed.fake_pg`` is imported."""
+    try:
+        from torch.testing._internal.distributed import fake_pg  # noqa: F401 - registers on import
+    except ImportError as exc:
+        raise _missing("torch.testing._internal.distributed.fake_pg (the fake process group)", exc) from None
+
+
 # -- DDP -------------------------------------------------------------------------------------
+def ddp_bucket_assignment(params: list[Any], caps_bytes: list[int]) -> list[list[int]]:
+    """Indices of ``params`` per bucket, as DDP assigns them by size (``dist._compute_bucket_assignment_by_size``):
+    the first bucket capped at ``caps_bytes[0]``, the rest at ``caps_bytes[-1]``."""
+    import torch.distributed as dist
+
+    try:
+        groups, _ = dist._compute_bucket_assignment_by_size(params, caps_bytes, [False] * len(params),
+                                                            list(range(len(params))))
+    except AttributeError as exc:
+        raise _missing("torch.distributed._compute_bucket_assignment_by_size", exc) from None
+    return [list(g) for g in groups]
+
+
 def ddp_bucket_sizes(model: Any) -> list[int]:
     """Bytes of each of DDP's current gradient buckets, in the reducer's order.
 

@@ -1,12 +1,13 @@
-"""One rank's compute, timed in this process: the compute side of a predicted step.
+"""A pipeline's stages timed bare, and this machine's copy speed: compute sides of a predicted step.
 
 A step's arithmetic does not depend on how ranks talk, so it is timed on this
-machine, with the threads a rank of the job would get: the model at its
-per-rank (or per-stage, per-micro-batch) size, forward with the loss, backward,
-the optimizer step, each the median of a few repeats after a warm-up. For a job
-of n ranks, n copies are timed at once in child processes (``together``), since
-the ranks share the machine. No distributed run is looked at: what is predicted
-is never what was fitted.
+machine, with the threads a rank of the job would get: each stage at one
+micro-batch, forward (with the loss on the last), backward, the optimizer over
+its slice, each the median of a few repeats after a warm-up. For a job of n
+ranks, n copies are timed at once in child processes (``together``), since the
+ranks share the machine. (The other tiers time a rank through dtlab's own loop:
+``probe``.) No distributed run is looked at: what is predicted is never what
+was fitted.
 """
 
 from __future__ import annotations
@@ -44,36 +45,6 @@ def _median_phases(step: Callable[[], dict[str, float]], repeats: int) -> dict[s
         step()
     runs = [step() for _ in range(repeats)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-
-
-def phases(cfg: RunConfig, samples: int, repeats: int = REPEATS, ranks: int = 1) -> dict[str, float]:
-    """Seconds of data, forward (with the loss), backward and optimizer for ``samples`` samples on one rank;
-    with ``ranks`` > 1, timed in that many processes at once (``together``) and the slowest one's."""
-    if ranks > 1:
-        runs = run_together(phases, [(cfg, samples, repeats)] * ranks, f"timing {ranks} ranks' compute")
-        return max(runs, key=lambda ph: sum(ph.values()))
-    model, data = build_job(cfg, torch.device("cpu"))
-    optimizer = optimizer_factory(cfg)(model.parameters())
-    gen = torch.Generator().manual_seed(cfg.seed)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-
-    def step() -> dict[str, float]:
-        t0 = time.perf_counter()
-        idx = torch.randint(len(data.train_x), (samples,), generator=gen)
-        x, y = data.train_x[idx], data.train_y[idx]
-        t1 = time.perf_counter()
-        with autocast:
-            loss = models.loss(model(x), y)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3}
-
-    with threads(cfg.resolved_threads):
-        return _median_phases(step, repeats)
 
 
 def stage_phases(cfg: RunConfig, repeats: int = REPEATS, ranks: int = 1) -> list[dict[str, float]]:

@@ -13,8 +13,7 @@ two loops:
 * one unrecorded, timed: the median steady step (``Probe.step_s``) and its phases.
 
 Nothing of a real distributed run is looked at, so a prediction built on a probe is not fitted on the
-run it predicts. The fake backend is what torch's own tests use for this (it is registered by
-importing ``torch.testing._internal.distributed.fake_pg``).
+run it predicts. The fake backend is what torch's own tests use for this (``compat.register_fake_backend``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from dtlab.analysis.estimate.together import run_together
 from dtlab.core.config import RunConfig
 
-__all__ = ["Probe", "link_op", "probe"]
+__all__ = ["Probe", "link_op", "loop_phases", "probe"]
 
 TIMED_STEPS = 15
 WARMUP = 2  # the first steps set up buckets, optimizer state and DTensor's caches
@@ -54,14 +53,15 @@ def _measure(cfg: RunConfig, rank: int) -> Probe:
 
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed import fake_pg  # noqa: F401 - registers the "fake" backend
 
+    from dtlab.core.compat import register_fake_backend
     from dtlab.core.env import DistInfo
     from dtlab.launch.rank import call_recorded
     from dtlab.train.loop import train
 
     # FSDP2's all_gather_into_tensor/reduce_scatter_tensor names are deprecated in torch 2.13: not news here
     warnings.filterwarnings("ignore", category=FutureWarning)
+    register_fake_backend()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=cfg.world_size)
     # The tier's code paths are gloo's: the fake group stands in for it.
     info = DistInfo(rank, rank, cfg.world_size, cfg.world_size, "gloo", torch.device("cpu"))
@@ -76,6 +76,17 @@ def _measure(cfg: RunConfig, rank: int) -> Probe:
     phases = {k: statistics.median(s[k] for s in steady) for k in ("data", "forward", "backward", "optimizer")
               if k in steady[0]}
     return Probe(statistics.median(s["total"] for s in steady), phases, collectives)
+
+
+def loop_phases(cfg: RunConfig, copies: int) -> dict[str, float]:
+    """One rank's compute as dtlab's loop runs it: ``cfg`` (one process, e.g. the ``single`` tier at a rank's
+    batch) in ``copies`` processes at once; the slowest copy's phases, the loop's own work between them
+    (batch indexing, bookkeeping) added to ``data``."""
+    answers = run_together(_measure, [(cfg, 0)] * copies, f"timing {copies} rank(s) of {cfg.tier} in dtlab's loop")
+    slowest = max(answers, key=lambda p: p.step_s)
+    phases = dict(slowest.phases)
+    phases["data"] += max(0.0, slowest.step_s - sum(phases.values()))
+    return phases
 
 
 def probe(cfg: RunConfig) -> Probe:

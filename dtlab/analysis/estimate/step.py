@@ -1,11 +1,16 @@
-"""A step's time, predicted: one rank's compute (timed here) plus each tier's communication on a link.
+"""A step's time, predicted: one rank's compute (timed on this machine) plus each tier's communication on a link.
+
+Compute is timed as the job's ranks would run it: in as many processes at once as the job has ranks
+(they share this machine's cores and memory), each running dtlab's own loop, so the loop's own work
+is in the prediction too (``probe.loop_phases``; the pipeline's stages are timed bare, per stage).
 
 The link is an alpha-beta ``LinkModel`` (``dtlab.analysis.costmodel``): calibrated
 on a collectives sweep, or built from a bandwidth and latency for a what-if; or a
 ``LinkSet``, one link per collective, each calibrated on that collective's sweep. Per tier:
 
-* ``single``: data + forward + backward + optimizer.
-* ``ddp``, ``multinode``, ``elastic``: DDP's buckets (torch's own assignment by size)
+* ``single``: data + forward + backward + optimizer, the single tier's loop timed.
+* ``ddp``, ``multinode``, ``elastic``: the single tier at a rank's batch, timed, then DDP's
+  buckets (torch's own assignment by size)
   all-reduced one after another as backward produces them (``predict_ddp_step``);
   what runs past backward is exposed. DDP's own work: copying each gradient into its
   bucket and back, and the division by n, three passes over the gradient bytes at this
@@ -14,9 +19,9 @@ on a collectives sweep, or built from a bandwidth and latency for a what-if; or 
   optimizer steps only the largest rank's share of the parameters.
 * ``fsdp``, ``tp``, ``fsdp-tp``, ``cp``: their own CPU work is large and tier-specific
   (FSDP2's copy-in and copy-out around every collective and its optimizer on DTensors;
-  DTensor's dispatch on every op), so rank 0 runs dtlab's own loop on torch's fake
-  backend (``probe``: collectives free, everything else as at world n), and every
-  collective it called in a steady step is priced on the link and added, all of it
+  DTensor's dispatch on every op), so the job's ranks run dtlab's own loop on torch's fake
+  backend (``probe``: every rank at once, collectives free, everything else as at world n),
+  and every collective rank 0 called in a steady step is priced on the link and added, all of it
   exposed: on CPU these tiers run their collectives in the training thread.
 * ``pipeline``: per stage and micro-batch, forward + backward + its transfers; GPipe
   and 1F1B take (M - 1) x the slowest stage + the sum of the stages (the bubble is the
@@ -25,13 +30,13 @@ on a collectives sweep, or built from a bandwidth and latency for a what-if; or 
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 
 from dtlab.analysis.costmodel.links import LinkModel, LinkSet
 from dtlab.analysis.costmodel.step import predict_ddp_step
 from dtlab.analysis.estimate import compute, probe
 from dtlab.analysis.estimate.memory import nbytes, zero_partition
+from dtlab.core.compat import ddp_bucket_assignment
 from dtlab.core.config import RunConfig
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
@@ -42,8 +47,7 @@ STEP_TIERS = ("single", "ddp", "multinode", "elastic", "zero", "pipeline", *PROB
 def ddp_buckets(model: nn.Module, cap_mb: float) -> list[int]:
     """Bucket sizes in gradient-ready order, from torch's own assignment over the parameters in reverse."""
     params = [p for p in model.parameters() if p.requires_grad][::-1]
-    groups, _ = dist._compute_bucket_assignment_by_size(
-        params, [FIRST_BUCKET_BYTES, int(cap_mb * 2**20)], [False] * len(params), list(range(len(params))))
+    groups = ddp_bucket_assignment(params, [FIRST_BUCKET_BYTES, int(cap_mb * 2**20)])
     return [sum(nbytes(params[i]) for i in g) for g in groups]
 
 
@@ -53,13 +57,17 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
         raise ValueError(f"estimate: no step-time rule for tier {cfg.tier!r} yet (rules: {', '.join(STEP_TIERS)})")
     n = cfg.world_size
     notes = [f"compute timed with {cfg.resolved_threads} thread(s), as one rank of the job gets, in {n} "
-             f"process(es) at once, as the job's ranks share this machine; link: {link.label}"]
+             f"process(es) at once, as the job's ranks share this machine, each running dtlab's loop (the single "
+             f"tier at a rank's batch, or the tier itself on the fake backend); link: {link.label}"]
     if cfg.tier == "pipeline":
         return pipelined(cfg, link, notes)
     if cfg.tier in PROBED_TIERS and n > 1:
         return probed(cfg, link, notes)
     acc = int(getattr(cfg.tier_options, "accumulation_steps", 1) or 1)
-    ph = compute.phases(cfg, cfg.per_rank_batch // acc, ranks=n)
+    # one rank's batch (one micro-batch of it) in dtlab's own loop, as the single tier runs it
+    solo = cfg.replace(tier="single", world_size=1, global_batch_size=cfg.per_rank_batch // acc,
+                       threads_per_rank=cfg.resolved_threads)
+    ph = probe.loop_phases(solo, copies=n)
     ph = {k: v * acc if k in ("forward", "backward") else v for k, v in ph.items()}
     if cfg.tier == "single" or n == 1 and cfg.tier == "fsdp":
         return sum(ph.values()), notes

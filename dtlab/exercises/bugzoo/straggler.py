@@ -25,8 +25,8 @@ LENGTHS = [i * i // 4 for i in range(64)]  # sequence lengths, sorted
 SECONDS_PER_TOKEN = 3e-5
 BATCH = 4
 SLOW_RANK = 1
-SKEW_TOL_S = 0.006  # a median arrival skew below this passes whatever the work (the planted one is about 60 ms)
-WORK_RATIO = 1.5  # a rank working this many times longer per step than another is a straggler
+SKEW_TOL_S = 0.015  # a median arrival skew below this passes whatever the work (the planted one is about 60 ms)
+WORK_RATIO = 2.0  # a rank working this many times longer per step than another is a straggler (planted: > 5x)
 
 DESCRIPTION = (
     f"train(info) loads each of its samples (a sequence of LENGTHS[i] tokens; loading takes time per token) and "
