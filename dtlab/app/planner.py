@@ -11,11 +11,9 @@ same without a panel (scripts, tests).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import html
 import io
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +25,7 @@ from matplotlib.figure import Figure
 from dtlab.analysis import planner as plan_lib
 from dtlab.analysis.estimate import KINDS, Estimate, compare, estimate
 from dtlab.analysis.planner import Cluster, TransformerSpec
+from dtlab.app.guard import guarded
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RunResult
 from dtlab.train import run
@@ -257,14 +256,7 @@ class Planner:
 
     # -- running ---------------------------------------------------------------------------
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception:
-                self.log.append_stderr(traceback.format_exc())
-                return None
-        return wrapped
+        return guarded(self.log, fn)
 
     def chosen(self) -> dict[str, Any]:
         if self.plan is None or self.pick.value is None:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import html
 import io
 import json
 import tempfile
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import ipywidgets as w
 from dtlab import plots, tiers
 from dtlab.analysis.elastic import timeline
 from dtlab.analysis.frames import breakdown_frame
+from dtlab.app.guard import guarded
 from dtlab.app.history import HISTORY, load_history, saved_loss_curve
 from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
 from dtlab.core import options
@@ -181,17 +180,7 @@ class Lab:
 
     # -- callbacks -----------------------------------------------------------------
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Errors in a callback go to the panel's log (ipywidgets would drop them)."""
-
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception:
-                self.log.append_stderr(traceback.format_exc())
-                return None
-
-        return wrapped
+        return guarded(self.log, fn)
 
     def tier_options(self, tier: str | None = None) -> Any:
         """The tier's Options as its controls set them (ValueError naming the field if one does not fit)."""
