@@ -68,8 +68,8 @@ does not have (a simulation, with its ``assumptions``).
 The modules, one job each (every public name is re-exported here, so
 ``from dtlab.analysis import costmodel; costmodel.X`` reaches them all):
 
-* ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``;
-  ``calibrate_ops`` fits one per collective, a ``LinkSet``);
+* ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
+* ``linkset``: one link per collective (``LinkSet``, fitted by ``calibrate_ops``);
 * ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``);
 * ``measure``: the code that starts runs (``measure``, ``measure_links``) and checks the step model
   against them (``validate``, ``validate_links``, ``summary``);
@@ -86,15 +86,14 @@ from dtlab.analysis.costmodel.links import (
     SWEEP_COLUMNS,
     Coefficients,
     LinkModel,
-    LinkSet,
     bootstrap,
     calibrate,
-    calibrate_ops,
     capped,
     coefficients,
     fit_alpha_beta,
     fit_frame,
 )
+from dtlab.analysis.costmodel.linkset import LinkSet, calibrate_ops
 from dtlab.analysis.costmodel.measure import (
     MAX_TARGET,
     MEDIAN_TARGET,

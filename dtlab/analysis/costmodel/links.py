@@ -19,8 +19,7 @@ import pandas as pd
 from dtlab.analysis.collectives import OUTLIER_MADS, POINT, mark_outliers, size_medians
 
 __all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "Coefficients", "INTERVAL", "LinkModel",
-           "LinkSet", "OPS", "SWEEP_COLUMNS", "bootstrap", "calibrate", "calibrate_ops", "capped", "check_backend",
-           "check_bytes", "check_op",
+           "OPS", "SWEEP_COLUMNS", "bootstrap", "calibrate", "capped", "check_backend", "check_bytes", "check_op",
            "check_world_size", "coefficients", "fit_alpha_beta", "fit_frame"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
@@ -204,36 +203,6 @@ class LinkModel:
                 f"({self.bandwidth_gbps:.3g} GB/s), {self.backend} algorithms{fit}{spread}")
 
 
-@dataclass(frozen=True)
-class LinkSet:
-    """One calibrated ``LinkModel`` per collective, for predicting a mix of them.
-
-    On loopback gloo the ops' per-byte costs differ (reduction arithmetic, extra
-    copies, reduce_scatter's whole all-reduce), so a step that runs several ops
-    is predicted best with each op on a link fitted on that op's own sweep.
-    ``predict(op, ...)`` uses ``links[op]`` and falls back to ``default`` for an
-    op without one.
-    """
-
-    links: dict[str, LinkModel]
-    default: LinkModel
-
-    def __post_init__(self) -> None:
-        for op in self.links:
-            check_op(op)
-
-    @property
-    def label(self) -> str:
-        return "; ".join(f"{op}: {m.bandwidth_gbps:.2g} GB/s, alpha {m.alpha_s * 1e6:.3g} us"
-                         for op, m in self.links.items()) or self.default.label
-
-    def predict(self, op: str, nbytes: Any, world_size: int | None = None) -> Any:
-        return self.links.get(op, self.default).predict(op, nbytes, world_size)
-
-    def describe(self) -> str:
-        return "\n".join(m.describe() for m in self.links.values()) or self.default.describe()
-
-
 def capped(link: LinkModel, mbit_per_s: float) -> LinkModel:
     """``link`` behind a ``tc tbf`` cap of ``mbit_per_s``: the slower of the two sets the bandwidth.
 
@@ -412,17 +381,6 @@ def calibrate(sweep_df: pd.DataFrame, op: str | Sequence[str] = "all_reduce", *,
                      label=label or f"{backend} {'+'.join(ops)} at n={'/'.join(map(str, sizes))}", ops=ops,
                      points=len(pts), fit_rel_rms=rms, repeats=int(pts["repeats"].sum()),
                      dropped=int(pts["dropped"].sum()), **spread)
-
-
-def calibrate_ops(sweep_df: pd.DataFrame, ops: Sequence[str], *, default: str = "all_reduce",
-                  **kwargs: Any) -> LinkSet:
-    """A ``LinkSet``: each of ``ops`` calibrated on its own rows of the sweep (``calibrate``'s keywords apply);
-    ``default`` (one of ``ops``) answers for any other op."""
-    if default not in ops:
-        raise ValueError(f"calibrate_ops: default={default!r} is not among ops {tuple(ops)}")
-    label = kwargs.pop("label", "")
-    links = {op: calibrate(sweep_df, op, label=f"{label} ({op})" if label else "", **kwargs) for op in ops}
-    return LinkSet(links, links[default])
 
 
 def fit_frame(sweep_df: pd.DataFrame, link: LinkModel) -> pd.DataFrame:

@@ -27,7 +27,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from dtlab.analysis.costmodel.links import LinkModel, LinkSet
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.estimate import step
 from dtlab.analysis.estimate.memory import RankMemory, per_rank
 from dtlab.core.config import RunConfig

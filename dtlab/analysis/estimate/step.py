@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from dtlab.analysis.costmodel.links import LinkModel, LinkSet
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.costmodel.step import predict_ddp_step
 from dtlab.analysis.estimate import compute, probe
 from dtlab.analysis.estimate.memory import nbytes, zero_partition
