@@ -70,7 +70,7 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
                        threads_per_rank=cfg.resolved_threads)
     ph = probe.loop_phases(solo, copies=n)
     ph = {k: v * acc if k in ("forward", "backward") else v for k, v in ph.items()}
-    if cfg.tier == "single" or n == 1 and cfg.tier == "fsdp":
+    if cfg.tier == "single" or n == 1 and cfg.tier in PROBED_TIERS:  # one rank: nothing to split or send
         return sum(ph.values()), notes
     grad_bytes = sum(nbytes(p) for p in model.parameters())
     passes = 1 if getattr(cfg.tier_options, "gradient_as_bucket_view", False) else 3
