@@ -107,15 +107,29 @@ def test_step_time_needs_a_link_and_says_so():
     assert est.step_ms is None and any("give a link" in a for a in est.assumptions)
 
 
-def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble():
+def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatch):
     from dtlab.analysis.costmodel.links import LinkModel
+    from dtlab.analysis.estimate import compute, probe
+
+    # the rules are checked on fixed compute times: timed ones on a loaded machine could reorder them
+    monkeypatch.setattr(probe, "loop_phases", lambda cfg, copies: {"data": 1e-4, "forward": 1e-3,
+                                                                   "backward": 2e-3, "optimizer": 5e-4})
+    stage = {"forward": 1e-3, "backward": 2e-3, "optimizer": 1e-4, "out_bytes": 4096.0}
+    monkeypatch.setattr(compute, "stage_phases", lambda cfg, ranks=1: [dict(stage), dict(stage)])
     fast, slow = LinkModel.from_bandwidth(10_000, 50e-6), LinkModel.from_bandwidth(100, 50e-6)
     cfg = RunConfig(tier="ddp", world_size=2, model_size=256)
     assert estimate(cfg, slow).step_ms > estimate(cfg, fast).step_ms > 0
     def pipe(schedule):
         opts = pipeline.Options(schedule=schedule, microbatches=4)
         return estimate(RunConfig(tier="pipeline", world_size=2, model_depth=4, tier_options=opts), fast).step_ms
-    assert pipe("naive") > pipe("gpipe")
+    assert pipe("naive") > pipe("gpipe") == pytest.approx(pipe("1f1b"))
+
+
+def test_the_pipeline_bubble_follows_the_schedule():
+    from dtlab.analysis.estimate.step import schedule_seconds
+
+    assert schedule_seconds([1.0, 3.0], 4, "naive") == 16.0
+    assert schedule_seconds([1.0, 3.0], 4, "gpipe") == schedule_seconds([1.0, 3.0], 4, "1f1b") == 3 * 3.0 + 4.0
 
 
 def test_probe_prices_a_links_own_collectives():
@@ -143,7 +157,8 @@ def test_fake_backend_probe_sees_the_tiers_own_collectives(no_survivors):
     seen = sorted((op, size) for op, size, group in probe(tp_cfg).collectives if group == 2)
     book = textbook_collectives(tp_cfg)
     assert seen == sorted((op, int(b)) for op, calls, b in book[["op", "calls", "bytes"]].values for _ in range(calls))
-    slow, fast = LinkModel.from_bandwidth(50, 1e-3), LinkModel.from_bandwidth(50_000, 1e-5)
+    # 50 ms per collective on the slow link: far beyond what timing noise on a loaded machine can reorder
+    slow, fast = LinkModel.from_bandwidth(50, 50e-3), LinkModel.from_bandwidth(50_000, 1e-5)
     est = estimate(cfg, slow)
     assert est.step_ms > estimate(cfg, fast).step_ms > 0
     assert any("fake backend" in a for a in est.assumptions)

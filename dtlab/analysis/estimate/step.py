@@ -116,10 +116,15 @@ def pipelined(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tu
         received = stages[s - 1]["out_bytes"] if s else 0.0
         p2p = sum(2 * link.predict("send_recv", b, 2) for b in (sends, received) if b)
         costs.append(st["forward"] + st["backward"] + p2p)
-    if cfg.tier_options.schedule == "naive":
-        body = m * sum(costs)
-    else:
-        body = (m - 1) * max(costs) + sum(costs)
     notes.append(f"pipeline: {len(stages)} stages, {m} micro-batches, {cfg.tier_options.schedule}")
-    return body + max(st["optimizer"] for st in stages), notes
+    return schedule_seconds(costs, m, cfg.tier_options.schedule) + max(st["optimizer"] for st in stages), notes
+
+
+def schedule_seconds(costs: list[float], microbatches: int, schedule: str) -> float:
+    """A pipeline's forward and backward, from each stage's seconds per micro-batch: ``naive`` runs one
+    stage at a time (M x the sum); GPipe and 1F1B overlap stages and pay the same bubble
+    ((M - 1) x the slowest stage + the sum)."""
+    if schedule == "naive":
+        return microbatches * sum(costs)
+    return (microbatches - 1) * max(costs) + sum(costs)
 
