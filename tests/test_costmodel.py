@@ -464,3 +464,32 @@ def test_end_to_end_calibrate_predict_measure_at_world_size_2():
     assert math.isfinite(row["predicted_s"]) and row["predicted_s"] > row["compute_s"]
     # a sanity bound only: a few-ms step on a shared 2-core machine varies by 2x from run to run
     assert 1 / 4 < row["predicted_s"] / row["measured_s"] < 4
+
+
+def _busy_rows(per_round: list[tuple[float, float, float]]) -> list[dict]:
+    """Rows as ``busy_rank`` returns them, two ranks; rank 1 always 1 ms slower."""
+    return [{"rank": rank, "round": rnd, "mode": mode, "seconds": s + rank * 1e-3}
+            for rnd, times in enumerate(per_round) for mode, s in zip(cm.busy.BUSY_MODES, times) for rank in (0, 1)]
+
+
+def test_busy_excess_is_the_median_round_of_both_minus_its_parts():
+    rows = _busy_rows([(5e-3, 1e-3, 8e-3), (5e-3, 1e-3, 9e-3), (5e-3, 1e-3, 20e-3)])
+    # per round, each mode's slowest rank (rank 1): 9 - 6 - 2 = 1 ms, 2 ms, 13 ms; the median round: 2 ms
+    assert cm.busy_excess(rows) == pytest.approx(2e-3)
+    assert cm.busy_excess(rows, collective_s=0.5e-3) == pytest.approx(3.5e-3)  # a link's price in its place
+    assert cm.busy_excess(_busy_rows([(5e-3, 1e-3, 6e-3)])) == 0.0  # never below zero
+    with pytest.raises(ValueError, match="every round needs the modes"):
+        cm.busy_excess([r for r in rows if r["mode"] != "both"])
+
+
+def test_calibrate_busy_names_a_bad_argument_before_starting_anything():
+    for kwargs, field in (({"rounds": 0}, "rounds"), ({"nbytes": 0}, "nbytes"), ({"compute_s": 0.0}, "compute_s"),
+                          ({"world_size": 1}, "world_size")):
+        with pytest.raises(ValueError, match=field):
+            cm.calibrate_busy(**kwargs)
+
+
+@pytest.mark.slow
+def test_calibrate_busy_measures_a_launched_job(no_survivors):
+    busy = cm.calibrate_busy(2, rounds=2, iterations=5, compute_s=1e-3)
+    assert math.isfinite(busy) and 0.0 <= busy < 0.5

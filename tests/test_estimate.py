@@ -125,6 +125,34 @@ def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatc
     assert pipe("naive") > pipe("gpipe") == pytest.approx(pipe("1f1b"))
 
 
+def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkeypatch):
+    import dataclasses
+
+    from dtlab.analysis.costmodel.links import LinkModel
+    from dtlab.analysis.estimate import compute, probe
+
+    monkeypatch.setattr(probe, "loop_phases", lambda cfg, copies: {"data": 1e-4, "forward": 1e-3,
+                                                                   "backward": 2e-3, "optimizer": 5e-4})
+    monkeypatch.setattr(compute, "copy_seconds_per_byte", lambda: 1e-10)  # timed otherwise: fixed here
+    collectives = [("all_gather_into_tensor", 4096, 2)] * 4 + [("reduce_scatter_tensor", 4096, 2), ("barrier", 0, 2),
+                                                               ("isend", 4096, 2), ("irecv", 4096, 2)]
+    monkeypatch.setattr(probe, "probe", lambda cfg: probe.Probe(0.01, {}, collectives))
+    link = LinkModel.from_bandwidth(1000, 50e-6)
+    busy = dataclasses.replace(link, busy_s=0.01)
+
+    def extra_ms(cfg):
+        return estimate(cfg, busy).step_ms - estimate(cfg, link).step_ms
+
+    zero = RunConfig(tier="zero", world_size=2, model_size=64, model_depth=2)
+    params = len(list(build_job(zero, torch.device("meta"))[0].parameters()))
+    assert params > 1
+    assert extra_ms(zero) == pytest.approx(10 * 2)  # DDP's one wait, then one for all of ZeRO's broadcasts
+    assert extra_ms(zero.replace(tier="ddp")) == pytest.approx(10)
+    assert extra_ms(zero.replace(tier="ddp", world_size=1)) == 0  # one rank waits for no one
+    # five collectives; the barrier has no price, and a ring's exchange overlaps the compute it feeds
+    assert extra_ms(zero.replace(tier="fsdp")) == pytest.approx(10 * 5)
+
+
 def test_the_pipeline_bubble_follows_the_schedule():
     from dtlab.analysis.estimate.step import schedule_seconds
 

@@ -70,12 +70,14 @@ The modules, one job each (every public name is re-exported here, so
 
 * ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
 * ``linkset``: one link per collective (``LinkSet``, fitted by ``calibrate_ops``);
+* ``busy``: what a collective costs beyond its price between a step's compute (``calibrate_busy``);
 * ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``);
 * ``measure``: the code that starts runs (``measure``, ``measure_links``) and checks the step model
   against them (``validate``, ``validate_links``, ``summary``);
 * ``projection``: what-if world sizes and links (``project``, ``assumptions``).
 """
 
+from dtlab.analysis.costmodel.busy import busy_excess, calibrate_busy
 from dtlab.analysis.costmodel.links import (
     ALGORITHM_NAMES,
     ALGORITHMS,
@@ -131,7 +133,7 @@ __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
     "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
     "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
-    "calibrate", "calibrate_ops", "capped",
+    "busy_excess", "calibrate", "calibrate_busy", "calibrate_ops", "capped",
     "coefficients", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links", "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "split_buckets", "summary",
     "summary_line", "timeline_frame", "validate", "validate_links",

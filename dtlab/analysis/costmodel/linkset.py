@@ -21,11 +21,13 @@ class LinkSet:
     copies, reduce_scatter's whole all-reduce), so a step that runs several ops
     is predicted best with each op on a link fitted on that op's own sweep.
     ``predict(op, ...)`` uses ``links[op]`` and falls back to ``default`` for an
-    op without one.
+    op without one. ``busy_s`` is what a collective costs beyond its price between
+    the compute of a step, for every op alike (``costmodel.calibrate_busy``).
     """
 
     links: dict[str, LinkModel]
     default: LinkModel
+    busy_s: float = 0.0  # a collective's extra cost inside a busy step (``costmodel.calibrate_busy``)
 
     def __post_init__(self) -> None:
         for op in self.links:

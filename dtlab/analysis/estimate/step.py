@@ -6,22 +6,27 @@ is in the prediction too (``probe.loop_phases``; the pipeline's stages are timed
 
 The link is an alpha-beta ``LinkModel`` (``dtlab.analysis.costmodel``): calibrated
 on a collectives sweep, or built from a bandwidth and latency for a what-if; or a
-``LinkSet``, one link per collective, each calibrated on that collective's sweep. Per tier:
+``LinkSet``, one link per collective, each calibrated on that collective's sweep. Its
+``busy_s`` (``costmodel.calibrate_busy``; 0 unless measured) is what a collective costs beyond its
+price when the ranks compute between collectives: each one the training thread blocks on adds it.
+Per tier:
 
 * ``single``: data + forward + backward + optimizer, the single tier's loop timed.
 * ``ddp``, ``multinode``, ``elastic``: the single tier at a rank's batch, timed, then DDP's
   buckets (torch's own assignment by size)
   all-reduced one after another as backward produces them (``predict_ddp_step``);
-  what runs past backward is exposed. DDP's own work: copying each gradient into its
-  bucket and back, and the division by n, three passes over the gradient bytes at this
-  machine's copy speed (one with ``gradient_as_bucket_view``).
-* ``zero``: DDP, plus one broadcast per parameter from the rank that updated it; the
-  optimizer steps only the largest rank's share of the parameters.
+  what runs past backward is exposed, and the step blocks once on them (one ``busy_s``).
+  DDP's own work: copying each gradient into its bucket and back, and the division by n,
+  three passes over the gradient bytes at this machine's copy speed (one with ``gradient_as_bucket_view``).
+* ``zero``: DDP, plus one broadcast per parameter from the rank that updated it, all issued at
+  once and waited for together (one ``busy_s``); the optimizer steps only the largest rank's share
+  of the parameters.
 * ``fsdp``, ``tp``, ``fsdp-tp``, ``cp``: their own CPU work is large and tier-specific
   (FSDP2's copy-in and copy-out around every collective and its optimizer on DTensors;
   DTensor's dispatch on every op), so the job's ranks run dtlab's own loop on torch's fake
   backend (``probe``: every rank at once, collectives free, everything else as at world n),
-  and every collective rank 0 called in a steady step is priced on the link and added, all of it
+  and every collective rank 0 called in a steady step is priced on the link (plus ``busy_s``, but not
+  for cp's point-to-point ring, which overlaps the attention block it feeds) and added, all of it
   exposed: on CPU these tiers run their collectives in the training thread.
 * ``pipeline``: per stage and micro-batch, forward + backward + its transfers; GPipe
   and 1F1B take (M - 1) x the slowest stage + the sum of the stages (the bubble is the
@@ -60,6 +65,9 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     notes = [f"compute timed with {cfg.resolved_threads} thread(s), as one rank of the job gets, in {n} "
              f"process(es) at once, as the job's ranks share this machine, each running dtlab's loop (the single "
              f"tier at a rank's batch, or the tier itself on the fake backend); link: {link.label}"]
+    if link.busy_s:
+        notes.append(f"each collective the training thread blocks on: {link.busy_s * 1e3:.3g} ms more than its "
+                     "price (busy_s, measured between compute on this machine)")
     if cfg.tier == "pipeline":
         return pipelined(cfg, link, notes)
     if cfg.tier in PROBED_TIERS and n > 1:
@@ -77,12 +85,14 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     overhead = passes * grad_bytes * compute.copy_seconds_per_byte()
     buckets = ddp_buckets(model, cfg.tier_options.bucket_cap_mb)
     notes.append(f"{len(buckets)} DDP bucket(s); DDP's own copies: {passes} pass(es) over the gradients")
-    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead).step_s
+    busy = link.busy_s if n > 1 else 0.0  # one rank waits for no one
+    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead).step_s + busy
     if cfg.tier == "zero":
         params = list(model.parameters())
         share = max(sum(p.numel() for p in part) for part in zero_partition(params, n)) / sum(p.numel() for p in params)
         step -= ph["optimizer"] * (1 - share)
-        step += sum(link.predict("broadcast", nbytes(p), n) for p in params)
+        # ZeroRedundancyOptimizer issues every broadcast at once and then waits for them all: one more wait
+        step += sum(link.predict("broadcast", nbytes(p), n) for p in params) + busy
         notes.append(f"ZeRO: the optimizer steps {share:.0%} of the parameters; one broadcast per parameter")
     return step, notes
 
@@ -97,7 +107,8 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
         if name is None:
             unpriced.add(op)
             continue
-        comm += link.predict(name, size, group)
+        # a point-to-point exchange (cp's ring) overlaps the block it feeds: no wait between compute is added
+        comm += link.predict(name, size, group) + (link.busy_s if name != "send_recv" else 0.0)
     notes.append(f"{cfg.tier}: rank 0's step on torch's fake backend (compute and the tier's own CPU work, "
                  f"collectives free): {measured.step_s * 1e3:.3g} ms, timed in a child process; plus its "
                  f"{len(measured.collectives)} collectives per step priced on the link ({comm * 1e3:.3g} ms), "

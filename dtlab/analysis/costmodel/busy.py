@@ -1,0 +1,120 @@
+"""What a collective costs inside a step beyond what the link's sweep says: ``busy_s``.
+
+A sweep times collectives back to back on otherwise idle cores. In a training step the ranks compute
+between collectives, and each collective is a meeting point: it waits for the later rank (whose
+compute jittered), and the backend's transport threads must be woken and scheduled on cores the
+ranks keep busy. On this 2-core machine a 64 KiB all-reduce between ~5 ms of matrix products cost
+about 1 ms more than the same all-reduce and the same products timed apart (gloo, world 2).
+
+``calibrate_busy`` measures that excess on a synthetic job, never on a training run: each rank
+alternates a fixed amount of compute with one all-reduce (``both``), and the same job also times the
+compute alone and the all-reduce alone, in shuffled rounds. The excess per collective is
+``both - compute - collective`` per round (each the slowest rank's median iteration), and the
+result is the median over rounds, never below zero. ``LinkModel.busy_s`` and ``LinkSet.busy_s`` carry
+it; ``dtlab.analysis.estimate`` adds it once per collective the training thread blocks on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlab.launch.local import launch
+
+__all__ = ["BUSY_MODES", "busy_excess", "busy_rank", "calibrate_busy"]
+
+BUSY_MODES = ("compute", "collective", "both")
+_MATRIX = 256  # one product of two 256 x 256 matrices: about 0.4 ms on one core here
+
+
+def _compute_kernels(target_s: float) -> int:
+    """How many matrix products take about ``target_s`` on this rank (rank 0's count is used by all)."""
+    a = torch.randn(_MATRIX, _MATRIX)
+    for _ in range(3):
+        a @ a
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    return max(1, round(target_s / ((time.perf_counter() - t0) / 10)))
+
+
+def busy_rank(info: Any, nbytes: int, compute_s: float, rounds: int, iterations: int,
+              threads: int) -> list[dict[str, Any]]:
+    """Run on every rank (``dtlab.launch(busy_rank, n, args=...)``): each round times every mode's
+    ``iterations`` in a shuffled order; a row per (round, mode) with this rank's median iteration."""
+    torch.set_num_threads(threads)  # as a training rank: more threads than cores would time the oversubscription
+    kernels = torch.tensor([_compute_kernels(compute_s)])
+    dist.broadcast(kernels, src=0)  # every rank does the same work
+    a, t = torch.randn(_MATRIX, _MATRIX), torch.ones(max(1, nbytes // 4))
+
+    def compute() -> None:
+        for _ in range(int(kernels)):
+            a @ a
+
+    def collective() -> None:
+        dist.all_reduce(t)
+
+    def both() -> None:
+        compute()
+        collective()
+
+    modes: dict[str, Callable[[], None]] = {"compute": compute, "collective": collective, "both": both}
+    for fn in modes.values():  # warm-up: connections, allocations
+        fn()
+    rows = []
+    for rnd in range(rounds):
+        for mode in random.Random(rnd).sample(BUSY_MODES, len(BUSY_MODES)):
+            dist.barrier()
+            times = []
+            for _ in range(iterations):
+                t0 = time.perf_counter()
+                modes[mode]()
+                times.append(time.perf_counter() - t0)
+            rows.append({"rank": info.rank, "round": rnd, "mode": mode, "seconds": statistics.median(times)})
+    return rows
+
+
+def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = None) -> float:
+    """Seconds per collective beyond compute + collective timed apart: per round, each mode's slowest rank,
+    ``both - compute - collective``; the median over rounds, never below zero. ``collective_s`` (a link's
+    price for the all-reduce) stands in for the timed ``collective`` when given."""
+    slowest: dict[tuple[int, str], float] = {}
+    for row in rows:
+        key = (row["round"], row["mode"])
+        slowest[key] = max(slowest.get(key, 0.0), row["seconds"])
+    rounds = sorted({rnd for rnd, _ in slowest})
+    missing = [(rnd, m) for rnd in rounds for m in BUSY_MODES if (rnd, m) not in slowest]
+    if not rounds or missing:
+        raise ValueError(f"busy_excess: every round needs the modes {BUSY_MODES}; missing {missing or 'all'}")
+    excess = [slowest[r, "both"] - slowest[r, "compute"]
+              - (slowest[r, "collective"] if collective_s is None else collective_s) for r in rounds]
+    return max(0.0, statistics.median(excess))
+
+
+def calibrate_busy(world_size: int = 2, *, link: Any = None, nbytes: int = 64 * 1024, compute_s: float = 5e-3,
+                   rounds: int = 7, iterations: int = 20, threads: int | None = None, **launch_kwargs: Any) -> float:
+    """Seconds a collective costs in a busy step beyond the link's price (``busy_excess`` of a synthetic job
+    at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with ``threads``
+    torch threads per rank (default: the cores shared out, as ``RunConfig`` does). With ``link`` (a
+    ``LinkModel`` or ``LinkSet``) the excess is over that link's price for the all-reduce, the price the
+    estimate adds it to; without, over the all-reduce timed alone in the same job. About 5 s."""
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
+    for name, value in (("rounds", rounds), ("iterations", iterations), ("nbytes", nbytes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    if not compute_s > 0:
+        raise ValueError(f"compute_s={compute_s!r} is invalid: must be > 0 seconds")
+    launch_kwargs.setdefault("record", False)  # as an unrecorded training run: no wrapper around the all-reduce
+    per_rank = launch(busy_rank, world_size, args=(nbytes, compute_s, rounds, iterations, threads), progress=False,
+                      **launch_kwargs)
+    price = None if link is None else float(link.predict("all_reduce", nbytes, world_size))
+    return busy_excess([row for rows in per_rank for row in rows], price)
