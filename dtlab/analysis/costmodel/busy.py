@@ -4,7 +4,8 @@ A sweep times collectives back to back on otherwise idle cores. In a training st
 between collectives, and each collective is a meeting point: it waits for the later rank (whose
 compute jittered), and the backend's transport threads must be woken and scheduled on cores the
 ranks keep busy. On this 2-core machine a 64 KiB all-reduce between ~5 ms of matrix products cost
-about 1 ms more than the same all-reduce and the same products timed apart (gloo, world 2).
+0 to 3.8 ms more than the same products plus the all-reduce's price (gloo, world 2), depending on
+the run and the machine's load: calibrate it in the session it is used in.
 
 ``calibrate_busy`` measures that excess on a synthetic job, never on a training run: each rank
 alternates a fixed amount of compute with one all-reduce (``both``), and the same job also times the
