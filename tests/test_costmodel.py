@@ -484,7 +484,7 @@ def test_busy_excess_is_the_median_round_of_both_minus_its_parts():
 
 def test_calibrate_busy_names_a_bad_argument_before_starting_anything():
     for kwargs, field in (({"rounds": 0}, "rounds"), ({"nbytes": 0}, "nbytes"), ({"compute_s": 0.0}, "compute_s"),
-                          ({"world_size": 1}, "world_size")):
+                          ({"world_size": 1}, "world_size"), ({"world_size": 0}, "world_size")):
         with pytest.raises(ValueError, match=field):
             cm.calibrate_busy(**kwargs)
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.launch.local import launch
 
 __all__ = ["BUSY_MODES", "busy_excess", "busy_rank", "calibrate_busy"]
@@ -99,16 +101,17 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
     return max(0.0, statistics.median(excess))
 
 
-def calibrate_busy(world_size: int = 2, *, link: Any = None, nbytes: int = 64 * 1024, compute_s: float = 5e-3,
-                   rounds: int = 7, iterations: int = 20, threads: int | None = None, **launch_kwargs: Any) -> float:
+def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = None, nbytes: int = 64 * 1024,
+                   compute_s: float = 5e-3, rounds: int = 7, iterations: int = 20, threads: int | None = None,
+                   **launch_kwargs: Any) -> float:
     """Seconds a collective costs in a busy step beyond the link's price (``busy_excess`` of a synthetic job
     at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with ``threads``
     torch threads per rank (default: the cores shared out, as ``RunConfig`` does). With ``link`` (a
     ``LinkModel`` or ``LinkSet``) the excess is over that link's price for the all-reduce, the price the
     estimate adds it to; without, over the all-reduce timed alone in the same job. About 5 s."""
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     if world_size < 2:
         raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     for name, value in (("rounds", rounds), ("iterations", iterations), ("nbytes", nbytes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")

@@ -111,9 +111,8 @@ class LinkModel:
     sizes) it was fitted on and their RMS relative residual; ``repeats`` and
     ``dropped`` how many repeats were measured at those points and how many the
     outlier rule left out; ``alpha_range_s`` and ``beta_range_s_per_byte`` the
-    fit's spread (``calibrate``'s bootstrap interval, ``spread_method`` says which);
-    ``busy_s`` what a collective costs beyond its price between the compute of a step
-    (``costmodel.calibrate_busy``). A link built by hand has NaN for the fit's numbers, 0 for the counts.
+    fit's spread (``calibrate``'s bootstrap interval, ``spread_method`` says which); ``busy_s`` is
+    in ``costmodel.busy``. A link built by hand has NaN for the fit's numbers, 0 for the counts.
     """
 
     alpha_s: float
