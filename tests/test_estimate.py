@@ -107,13 +107,20 @@ def test_step_time_needs_a_link_and_says_so():
     assert est.step_ms is None and any("give a link" in a for a in est.assumptions)
 
 
-def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatch):
-    from dtlab.analysis.costmodel.links import LinkModel
-    from dtlab.analysis.estimate import compute, probe
+@pytest.fixture
+def fixed_loop(monkeypatch):
+    """A rank's loop phases fixed: the rules are checked on set compute times, since timed ones on a loaded
+    machine could reorder them."""
+    from dtlab.analysis.estimate import probe
 
-    # the rules are checked on fixed compute times: timed ones on a loaded machine could reorder them
     monkeypatch.setattr(probe, "loop_phases", lambda cfg, copies: {"data": 1e-4, "forward": 1e-3,
                                                                    "backward": 2e-3, "optimizer": 5e-4})
+
+
+def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatch, fixed_loop):
+    from dtlab.analysis.costmodel.links import LinkModel
+    from dtlab.analysis.estimate import compute
+
     stage = {"forward": 1e-3, "backward": 2e-3, "optimizer": 1e-4, "out_bytes": 4096.0}
     monkeypatch.setattr(compute, "stage_phases", lambda cfg, ranks=1: [dict(stage), dict(stage)])
     fast, slow = LinkModel.from_bandwidth(10_000, 50e-6), LinkModel.from_bandwidth(100, 50e-6)
@@ -125,14 +132,12 @@ def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatc
     assert pipe("naive") > pipe("gpipe") == pytest.approx(pipe("1f1b"))
 
 
-def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkeypatch):
+def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkeypatch, fixed_loop):
     import dataclasses
 
     from dtlab.analysis.costmodel.links import LinkModel
     from dtlab.analysis.estimate import compute, probe
 
-    monkeypatch.setattr(probe, "loop_phases", lambda cfg, copies: {"data": 1e-4, "forward": 1e-3,
-                                                                   "backward": 2e-3, "optimizer": 5e-4})
     monkeypatch.setattr(compute, "copy_seconds_per_byte", lambda: 1e-10)  # timed otherwise: fixed here
     collectives = [("all_gather_into_tensor", 4096, 2)] * 4 + [("reduce_scatter_tensor", 4096, 2), ("barrier", 0, 2),
                                                                ("isend", 4096, 2), ("irecv", 4096, 2)]
