@@ -18,6 +18,7 @@ import csv
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -69,16 +70,19 @@ def interleave(variants: Mapping[str, Callable[[int], Mapping[str, Any]]], round
                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every variant once per round, round after round: A, B, A, B, ...
 
-    Each variant is called with the round number and returns a dict of
-    measurements. The result is one row per (round, variant): ``round``
+    Even rounds run the variants in the given order, odd rounds in reverse
+    (A, B, B, A, ...). Each variant is called with the round number and
+    returns a dict of measurements. The result is one row per (round, variant): ``round``
     (negative for warm-up rounds, which are kept in the rows but left out by
     ``per_round``), ``order`` (position within the round), ``variant`` and
     the measurements.
     """
     rows: list[dict[str, Any]] = []
+    items = list(variants.items())
     for r in range(-warmup_rounds, rounds):
         started = time.perf_counter()
-        for order, (name, fn) in enumerate(variants.items()):
+        # A B, then B A: a slowdown or warm-up that follows a variant's place in the round falls on each alike
+        for order, (name, fn) in enumerate(items if r % 2 == 0 else items[::-1]):
             rows.append({"round": r, "order": order, "variant": name, **fn(r)})
         if log is not None:
             what = "warm-up round" if r < 0 else f"round {r + 1}/{rounds}"
@@ -201,12 +205,43 @@ LARGE = Size("large", model_size=1024, global_batch=1024, steps=30, dataset_size
 
 
 # -- per-round ratios -------------------------------------------------------------------------
+def median_interval(values: Iterable[float], level: float = 0.9, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap percentile interval for the median of per-round values (``level``: 0.9 is 90 %).
+
+    The rounds are resampled with replacement ``resamples`` times (a fixed seed:
+    the same rows give the same interval). It says how far the median could move
+    with other rounds of the same noise: a target inside it is not resolved by the run.
+    """
+    values = [v for v in values if not math.isnan(v)]
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r} is invalid: must be between 0 and 1")
+    if len(values) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))]
+
+
+def resolution(values: Iterable[float], target: float) -> str:
+    """Whether a run's rounds can tell its median from ``target``: a phrase for the detail."""
+    lo, hi = median_interval(values)
+    if math.isnan(lo):
+        return "one round: no interval"
+    if lo <= target <= hi:
+        return f"the target {target:g} lies inside the 90 % interval: not resolved by this run"
+    return f"the 90 % interval excludes the target {target:g}"
+
+
 def ratio_text(values: Iterable[float]) -> str:
-    """``MEDIAN (rounds MIN..MAX)`` of per-round ratios, for a result line's detail."""
+    """``MEDIAN [90 % interval LO-HI] (rounds MIN..MAX)`` of per-round ratios, for a result line's detail."""
     values = sorted(v for v in values if not math.isnan(v))
     if not values:
         return "nan (no rounds)"
-    return f"{median(values):.3f} (rounds {values[0]:.3f}..{values[-1]:.3f})"
+    lo, hi = median_interval(values)
+    interval = f" [90 % {lo:.3f}-{hi:.3f}]" if not math.isnan(lo) else ""
+    return f"{median(values):.3f}{interval} (rounds {values[0]:.3f}..{values[-1]:.3f})"
 
 
 # -- dtlab against a plain torchrun script ---------------------------------------------------
@@ -264,9 +299,10 @@ def vs_script(name: str, tier: str, script: Path, doc: str, *, target: float, wo
     """A ``*_vs_script`` benchmark: dtlab's ``tier`` against ``script``, at ``SMALL`` and ``LARGE`` sizes.
 
     Per round, interleaved: dtlab small, script small, dtlab large, script
-    large. Reports the median over rounds of dtlab/script samples/s for each
-    size with the per-round range; the headline is the lower of the two, and
-    the target holds only if both meet it.
+    large (reversed every other round). Reports the median over rounds of
+    dtlab/script samples/s for each size with its 90 % interval and the
+    per-round range; the headline is the lower of the two, and the target holds
+    only if both meet it.
     """
     p = parser(doc)
     p.add_argument("--model-size", type=int, default=SMALL.model_size, help=f"small MLP width ({SMALL.model_size})")
@@ -309,7 +345,7 @@ def vs_script(name: str, tier: str, script: Path, doc: str, *, target: float, wo
         sps = {v: median(per_round(rows, f"{v}:{s.name}", "samples_per_s").values()) for v in ("dtlab", "script")}
         note(f"{s.name} [{s.label(world_size)}]: dtlab/script samples/s per round {spread(r)}; median step "
              f"dtlab {step_ms['dtlab']:.1f} ms, script {step_ms['script']:.1f} ms")
-        parts.append(f"{s.name} [{s.label(world_size)}] {ratio_text(r)}")
+        parts.append(f"{s.name} [{s.label(world_size)}] {ratio_text(r)}, {resolution(r, target)}")
         speeds.append(f"{s.name} dtlab {sps['dtlab']:.0f}, script {sps['script']:.0f}")
     worst = min(medians.values())
     detail = (f"lower of: {', '.join(parts)}; median samples/s {', '.join(speeds)} "

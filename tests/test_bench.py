@@ -43,3 +43,37 @@ def test_readme_needs_the_full_run():
     from dtlab.app.cli import main
 
     assert main(["bench", "--quick", "--readme"]) == 2
+
+
+def _common():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        return importlib.import_module("_common")
+    finally:
+        sys.path.pop(0)
+
+
+def test_median_interval_narrows_with_rounds_and_says_when_a_target_is_resolved():
+    common = _common()
+    noisy = [1.0 + 0.1 * ((7 * i) % 11 - 5) / 5 for i in range(11)]  # 0.9 .. 1.1, median 1.0
+    lo, hi = common.median_interval(noisy)
+    assert lo < 1.0 < hi and hi - lo < 0.2
+    many_lo, many_hi = common.median_interval(noisy * 9)  # the same spread, nine times the rounds
+    assert many_hi - many_lo < (hi - lo) / 2
+    assert common.median_interval(noisy) == (lo, hi)  # seeded: the same rows give the same interval
+    assert "not resolved" in common.resolution(noisy, 0.98)
+    assert "excludes" in common.resolution([0.90, 0.91, 0.92, 0.90, 0.93], 0.98)
+    assert common.resolution([1.0], 0.98) == "one round: no interval"
+    with pytest.raises(ValueError, match="level"):
+        common.median_interval(noisy, level=90)
+
+
+def test_interleave_reverses_every_other_round():
+    common = _common()
+    rows = common.interleave({"a": lambda r: {}, "b": lambda r: {}, "c": lambda r: {}}, 2, warmup_rounds=1)
+    order = [(row["round"], row["variant"]) for row in rows]
+    assert order == [(-1, "c"), (-1, "b"), (-1, "a"), (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
