@@ -36,6 +36,18 @@ def test_bad_sweeps_fail_before_launch():
         collectives.sweep(1)
     with pytest.raises(ValueError, match="repeats"):
         collectives.sweep(2, repeats=0)
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        collectives.sweep(2, threads_per_rank=-1)
+
+
+@pytest.mark.usefixtures("no_survivors")
+def test_sweep_ranks_run_with_the_threads_asked_for():
+    from dtlab.launch.local import launch
+
+    for threads in (1, 2):
+        per_rank = launch(collectives.sweep_rank, 2, args=(("all_reduce",), (4096,), 1, threads), record=True,
+                          progress=False)
+        assert {row["threads"] for rows in per_rank for row in rows} == {threads}
 
 
 @pytest.mark.usefixtures("no_survivors")
