@@ -271,6 +271,18 @@ def test_ddp_step_on_a_fast_link_costs_only_the_last_bucket():
     assert pred.step_s == pytest.approx(sum(PHASES.values()) + 2000e-9)
 
 
+def test_ddp_step_without_a_spare_core_overlaps_nothing():
+    link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
+    pred = cm.predict_ddp_step(PHASES, [4000, 4000, 2000], link, 2, overhead_s=0.0005, overlap=False)
+    # every all-reduce after backward's 10 ms: 10-15, 15-20, 20-23 ms
+    assert [t for b in pred.buckets for t in (b.start_s, b.end_s)] == pytest.approx([0.010, 0.015, 0.015, 0.020,
+                                                                                     0.020, 0.023])
+    assert pred.exposed_comm_s == pytest.approx(pred.comm_s) == pytest.approx(0.013)
+    assert pred.step_s == pytest.approx(sum(PHASES.values()) + 0.013 + 0.0005)
+    assert cm.spare_cores(2, 1, cores=2) is False and cm.spare_cores(2, 1, cores=4) is True
+    assert cm.spare_cores(3, 1, cores=4) is True and cm.spare_cores(2, 2, cores=4) is False
+
+
 def test_ddp_step_on_one_rank_is_compute_plus_overhead():
     pred = cm.predict_ddp_step(PHASES, [4000, 4000], cm.LinkModel(ALPHA, BETA), 1, overhead_s=0.002)
     assert pred.step_s == pytest.approx(sum(PHASES.values()) + 0.002)
@@ -456,6 +468,9 @@ def test_end_to_end_calibrate_predict_measure_at_world_size_2():
                     tier_options=ddp.Options(bucket_cap_mb=0.25))  # 1.2 MB of gradients in 3 buckets
     runs = cm.measure(cfg, world_sizes=(2,), rounds=1)
     assert set(runs["role"]) == {"compute", "ddp", "overhead_single", "overhead_ddp"}
+    compute = runs[runs["role"] == "compute"].iloc[0]  # timed in two copies at once, as the two ranks compute
+    assert compute["copies"] == 2 and compute["threads_per_rank"] == 1 and compute["per_rank_batch"] == 16
+    assert compute["step_s"] == pytest.approx(sum(compute[p] for p in cm.COMPUTE_PHASES)) and compute["backward"] > 0
     sizes = runs.loc[runs["role"] == "ddp", "bucket_sizes_bytes"].iloc[0]  # typed, as the ddp tier reports them
     assert isinstance(sizes, list) and len(sizes) >= 2 and all(type(b) is int for b in sizes)
     df = cm.validate(link, runs)

@@ -32,9 +32,10 @@ per-rank batch on ``cores // n`` threads), DDP's bucket sizes (from the ddp
 run: a layout, not a time) and DDP's own per-byte overhead (a ``ddp`` run
 against a ``single`` run at world size 1, at the largest width, on a batch no
 other run uses). No measured ddp step time enters a prediction. The model
-assumes each rank has its cores to itself and that communication costs the
-ranks no compute; on loopback the kernel copies every byte with the same
-cores, so the model is optimistic where communication is large.
+assumes each rank has its cores to itself. Gloo's collectives are work for
+those same cores (on loopback the kernel copies every byte too), so where the
+ranks' threads take every core no all-reduce overlaps backward
+(``costmodel.spare_cores``).
 
 Runs are interleaved: each round runs every width (ascending, then
 descending the next round) and, per width, every role in a rotating order,
@@ -190,7 +191,8 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
         for role, cfg in overhead.items():
             rows.append({"round": r, "width": widths[-1], "role": role, **_numbers(cfg)})
         say(f"round {r + 1}/{rounds}: {len(widths)} widths × {len(ROLES)} runs, {time.perf_counter() - t0:.0f} s")
-    frame = _frame(pd.DataFrame(rows), link, widths, world_size)
+    frame = _frame(pd.DataFrame(rows), link, widths, world_size,
+                   overlap=costmodel.spare_cores(world_size, max(1, c // world_size), c))
     frame.attrs.update({"baseline": baseline_text(world_size, global_batch, c), "link": link.describe(),
                         "beta_ns_per_byte": link.beta_s_per_byte * 1e9, "world_size": world_size,
                         "global_batch": global_batch, "cores": c, "steps": steps, "rounds": rounds,
@@ -210,7 +212,8 @@ def _median(runs: pd.DataFrame, width: int, role: str, column: str = "step_s") -
     return float(runs.loc[(runs["width"] == width) & (runs["role"] == role), column].median())
 
 
-def _frame(runs: pd.DataFrame, link: costmodel.LinkModel, widths: list[int], world_size: int) -> pd.DataFrame:
+def _frame(runs: pd.DataFrame, link: costmodel.LinkModel, widths: list[int], world_size: int, *,
+           overlap: bool) -> pd.DataFrame:
     single_o = runs[runs["role"] == "overhead_single"]
     ddp_o = runs[runs["role"] == "overhead_ddp"]
     gamma = costmodel.ddp_overhead({**single_o.iloc[0].to_dict(), "step_s": float(single_o["step_s"].median())},
@@ -221,7 +224,8 @@ def _frame(runs: pd.DataFrame, link: costmodel.LinkModel, widths: list[int], wor
         sizes = [int(s) for s in ddp_rows["bucket_sizes_bytes"].iloc[0]]
         compute = runs[(runs["width"] == w) & (runs["role"] == "compute")]
         phases = {p: float(compute[p].median()) for p in costmodel.COMPUTE_PHASES}
-        pred = costmodel.predict_ddp_step(phases, sizes, link, world_size, overhead_s=gamma * sum(sizes))
+        pred = costmodel.predict_ddp_step(phases, sizes, link, world_size, overhead_s=gamma * sum(sizes),
+                                          overlap=overlap)
         single, single_1t, ddp = (_median(runs, w, role) for role in ("single", "single_1t", "ddp"))
         compute_s = _median(runs, w, "compute")
         grad = sum(sizes)

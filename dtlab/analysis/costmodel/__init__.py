@@ -100,6 +100,7 @@ from dtlab.analysis.costmodel.measure import (
     MAX_TARGET,
     MEDIAN_TARGET,
     WARMUP_STEPS,
+    compute_together,
     ddp_overhead,
     measure,
     measure_links,
@@ -126,6 +127,7 @@ from dtlab.analysis.costmodel.step import (
     StepPrediction,
     bucket_schedule,
     predict_ddp_step,
+    spare_cores,
     timeline_frame,
 )
 
@@ -134,7 +136,9 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
     "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
     "busy_excess", "calibrate", "calibrate_busy", "calibrate_ops", "capped",
-    "coefficients", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links", "overhead_batch",
-    "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "split_buckets", "summary",
+    "coefficients", "compute_together", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links",
+    "overhead_batch",
+    "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "spare_cores", "split_buckets",
+    "summary",
     "summary_line", "timeline_frame", "validate", "validate_links",
 ]

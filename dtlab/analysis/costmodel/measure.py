@@ -25,7 +25,7 @@ import pandas as pd
 
 from dtlab.analysis import linksweep
 from dtlab.analysis.costmodel.links import LinkModel, capped, check_world_size
-from dtlab.analysis.costmodel.step import COMPUTE_PHASES, predict_ddp_step
+from dtlab.analysis.costmodel.step import COMPUTE_PHASES, predict_ddp_step, spare_cores
 from dtlab.train import run
 
 __all__ = ["MAX_TARGET", "MEDIAN_TARGET", "WARMUP_STEPS", "ddp_overhead", "measure", "measure_links",
@@ -112,7 +112,8 @@ def measure(cfg: Any, world_sizes: Sequence[int] = (1, 2, 4), rounds: int = 3, *
     keeps (its world_size is ignored). ``bucket_caps_mb``: the DDP bucket caps
     to validate (default: ``cfg``'s). Per round: for each world size n, a
     ``single`` run at the per-rank batch global/n (the compute that n ranks each
-    do) and, per cap, the ``ddp`` run at n; and the overhead calibration -- a
+    do), timed in n processes at once as the n ranks share the machine
+    (``compute_together``), and, per cap, the ``ddp`` run at n; and the overhead calibration -- a
     ``single`` and, per cap, a ``ddp`` run at world size 1 with a batch no
     validation point uses. Rows: round, role (compute, ddp, overhead_single,
     overhead_ddp), bucket_cap_mb and ``run_numbers``.
@@ -131,8 +132,8 @@ def measure(cfg: Any, world_sizes: Sequence[int] = (1, 2, 4), rounds: int = 3, *
     plan = _measure_plan(cfg, tuple(world_sizes), caps)
     rows = []
     for r in range(rounds):
-        for role, run_cfg in plan:
-            rows.append({"round": r, "role": role, **_run(run_cfg, warmup_steps)})
+        for role, run_cfg, copies in plan:
+            rows.append({"round": r, "role": role, **_run(run_cfg, warmup_steps, copies)})
         if log is not None:
             log(f"round {r + 1}/{rounds} done ({len(plan)} runs)")
     return pd.DataFrame(rows)
@@ -143,19 +144,41 @@ def overhead_batch(cfg: Any, world_sizes: Sequence[int]) -> int:
     return max(1, cfg.global_batch_size // (2 * max(world_sizes)))
 
 
-def _measure_plan(cfg: Any, world_sizes: tuple[int, ...], caps: tuple[float, ...]) -> list[tuple[str, Any]]:
+def _measure_plan(cfg: Any, world_sizes: tuple[int, ...], caps: tuple[float, ...]) -> list[tuple[str, Any, int]]:
+    """``(role, RunConfig, copies)``: the compute of world size n is timed in n copies at once (``_run``)."""
     single = {"tier": "single", "world_size": 1}
     with_cap = {c: cfg.replace(tier_options=dataclasses.replace(cfg.tier_options, bucket_cap_mb=c)) for c in caps}
     batch = overhead_batch(cfg, world_sizes)
-    plan = [("compute", cfg.replace(**single, global_batch_size=cfg.global_batch_size // n)) for n in world_sizes]
-    plan += [("ddp", with_cap[c].replace(world_size=n)) for c in caps for n in world_sizes]
-    plan.append(("overhead_single", cfg.replace(**single, global_batch_size=batch)))
-    plan += [("overhead_ddp", with_cap[c].replace(world_size=1, global_batch_size=batch)) for c in caps]
+    # each rank's threads, as the ddp run at n gets them
+    plan = [("compute", cfg.replace(**single, global_batch_size=cfg.global_batch_size // n,
+                                    threads_per_rank=cfg.replace(world_size=n).resolved_threads), n)
+            for n in world_sizes]
+    plan += [("ddp", with_cap[c].replace(world_size=n), 1) for c in caps for n in world_sizes]
+    plan.append(("overhead_single", cfg.replace(**single, global_batch_size=batch), 1))
+    plan += [("overhead_ddp", with_cap[c].replace(world_size=1, global_batch_size=batch), 1) for c in caps]
     return plan
 
 
-def _run(cfg: Any, warmup_steps: int) -> dict[str, Any]:
-    return run_numbers(run(cfg, progress=False), warmup_steps)
+def _run(cfg: Any, warmup_steps: int, copies: int = 1) -> dict[str, Any]:
+    """One run's numbers; ``copies > 1``: the compute of one of ``copies`` ranks, timed while the others
+    run beside it (they share the cores, caches and memory bandwidth; ``compute_together``)."""
+    if copies == 1:
+        return run_numbers(run(cfg, progress=False), warmup_steps)
+    return compute_together(cfg, copies)
+
+
+def compute_together(cfg: Any, copies: int) -> dict[str, Any]:
+    """``run_numbers``' columns for a ``single`` RunConfig timed in ``copies`` processes at once: dtlab's loop
+    in each (``estimate.probe.loop_phases``), the slowest copy's phases. On two cores two ranks' compute
+    side by side takes longer than one alone, and a DDP step at n is n ranks computing side by side."""
+    from dtlab.analysis.estimate.probe import TIMED_STEPS, loop_phases  # estimate imports costmodel: not at load
+
+    phases = loop_phases(cfg, copies)
+    return {"tier": cfg.tier, "world_size": cfg.world_size, "per_rank_batch": cfg.per_rank_batch,
+            "global_batch": cfg.global_batch_size, "threads_per_rank": cfg.resolved_threads,
+            "bucket_cap_mb": float("nan"), "step_s": sum(phases[p] for p in COMPUTE_PHASES),
+            **{p: phases[p] for p in COMPUTE_PHASES}, "gradient_bytes": 0, "buckets": 0, "bucket_sizes_bytes": [],
+            "steps_measured": TIMED_STEPS, "copies": copies}
 
 
 def measure_links(cfg: Any, caps_mbit: Sequence[float], rounds: int = 3, *, nnodes: int = 2,
@@ -172,15 +195,15 @@ def measure_links(cfg: Any, caps_mbit: Sequence[float], rounds: int = 3, *, nnod
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
     multinode = linksweep.link_configs(cfg.replace(world_size=nnodes), caps_mbit, ("allreduce",), nnodes=nnodes)
-    plan = [(role, c) for role, c in _measure_plan(cfg, (nnodes,), (cfg.tier_options.bucket_cap_mb,))
-            if role != "ddp"]
-    plan += [("ddp", c) for c in multinode]
+    plan = [entry for entry in _measure_plan(cfg, (nnodes,), (cfg.tier_options.bucket_cap_mb,))
+            if entry[0] != "ddp"]
+    plan += [("ddp", c, 1) for c in multinode]
     rows = []
     for r in range(rounds):
-        for role, run_cfg in plan:
+        for role, run_cfg, copies in plan:
             mbit = float(getattr(run_cfg.tier_options, "link_mbit", float("nan")))
             rows.append({"round": r, "role": role, "link_mbit": mbit if role == "ddp" else float("nan"),
-                         **_run(run_cfg, warmup_steps)})
+                         **_run(run_cfg, warmup_steps, copies)})
         if log is not None:
             log(f"round {r + 1}/{rounds} done ({len(plan)} runs)")
     return pd.DataFrame(rows)
@@ -249,9 +272,10 @@ def _validation_row(link: LinkModel, runs: pd.DataFrame, n: int, cap: float | No
     if compute.empty:
         raise ValueError(f"validate: no single run at the per-rank batch {batch} of world size {n}")
     sizes = _bucket_sizes(ddp["bucket_sizes_bytes"].iloc[0])
-    pred = predict_ddp_step(_medians(compute), sizes, link, n, overhead_s=gamma * sum(sizes))
-    measured = float(ddp["step_s"].median())
     threads = int(ddp["threads_per_rank"].iloc[0])
+    pred = predict_ddp_step(_medians(compute), sizes, link, n, overhead_s=gamma * sum(sizes),
+                            overlap=spare_cores(n, threads, cores))
+    measured = float(ddp["step_s"].median())
     over = n * threads > cores
     return {"label": _label(n, len(sizes), over), "world_size": n,
             "bucket_cap_mb": float("nan") if cap is None else cap,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import pandas as pd
 from dtlab.analysis.costmodel.links import LinkModel, check_bytes, check_world_size
 
 __all__ = ["BucketTiming", "COMPUTE_PHASES", "StepPrediction", "bucket_schedule", "predict_ddp_step",
-           "timeline_frame"]
+           "spare_cores", "timeline_frame"]
 
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -72,22 +73,41 @@ def _check_phases(phases: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+def spare_cores(world_size: int, threads_per_rank: int, cores: int | None = None) -> bool:
+    """Whether the ranks leave a core free for communication: ``world_size * threads_per_rank < cores``.
+
+    On CPU a gloo collective is work for the cores (copies, the reduction,
+    the kernel's socket copies on loopback), done by gloo's threads in the
+    rank's process. Where the ranks' compute threads take every core, that
+    work takes its time from backward: an all-reduce that starts during
+    backward delays it by as much, and overlap saves nothing (measured here
+    with 2 ranks on 2 cores: DDP with 3 buckets, two of them ready during
+    backward, was no faster than with 1 in four of five ``costmodel_error``
+    runs, e.g. 38.2 ms against 35.6 ms; in the fifth, 34.9 against 39.1). A
+    GPU's collectives run on the device, so there this test does not apply.
+    """
+    return world_size * threads_per_rank < (cores or os.cpu_count() or 1)
+
+
 def bucket_schedule(bucket_bytes: Sequence[int], backward_s: float, link: LinkModel, world_size: int,
-                    op: str = "all_reduce") -> tuple[BucketTiming, ...]:
+                    op: str = "all_reduce", *, overlap: bool = True) -> tuple[BucketTiming, ...]:
     """When each bucket is ready, starts and ends, in seconds from the start of backward.
 
     Buckets come in gradient-ready order (DDP's, after its rebuild at step 0).
     Bucket i is ready when its share of the gradient bytes has been produced,
     gradients being produced uniformly through backward; the all-reduces run
     one after another on the link, each starting when its bucket is ready and
-    the previous one has finished.
+    the previous one has finished. ``overlap=False`` (no core to spare:
+    ``spare_cores``): an all-reduce during backward would delay backward by its
+    own time, so the schedule starts them all when backward's compute ends --
+    the same step time, drawn without pretending to overlap.
     """
     sizes = check_bytes(list(bucket_bytes), "bucket_bytes")
     total = float(sizes.sum())
     timings, free_at, produced = [], 0.0, 0.0
     for i, size in enumerate(sizes.tolist()):
         produced += size
-        ready = backward_s * (produced / total if total > 0 else 1.0)
+        ready = backward_s * (produced / total if total > 0 else 1.0) if overlap else backward_s
         start = max(ready, free_at)
         free_at = start + link.predict(op, size, world_size)
         timings.append(BucketTiming(i, int(size), ready, start, free_at))
@@ -95,7 +115,7 @@ def bucket_schedule(bucket_bytes: Sequence[int], backward_s: float, link: LinkMo
 
 
 def predict_ddp_step(phases: Mapping[str, float], bucket_bytes: Sequence[int], link: LinkModel, world_size: int,
-                     *, overhead_s: float = 0.0, op: str = "all_reduce") -> StepPrediction:
+                     *, overhead_s: float = 0.0, op: str = "all_reduce", overlap: bool = True) -> StepPrediction:
     """A DDP step from one rank's compute phases (seconds) and DDP's bucket sizes (bytes).
 
     ``phases``: data, forward, backward and optimizer seconds of one rank
@@ -103,12 +123,15 @@ def predict_ddp_step(phases: Mapping[str, float], bucket_bytes: Sequence[int], l
     per-step work (copying gradients into buckets and back, dividing by n,
     hooks), measured elsewhere (``ddp_overhead``). The step is
     data + forward + max(backward, end of the last all-reduce) + optimizer + overhead.
+    ``overlap``: whether an all-reduce can run beside backward's compute
+    (``bucket_schedule``; False where the ranks have no core to spare).
     """
     check_world_size(world_size)
     p = _check_phases(phases)
     if not (math.isfinite(overhead_s) and overhead_s >= 0):
         raise ValueError(f"overhead_s={overhead_s!r} is invalid: must be >= 0 seconds")
-    buckets = bucket_schedule(bucket_bytes, p["backward"], link, world_size, op) if world_size > 1 else ()
+    buckets = bucket_schedule(bucket_bytes, p["backward"], link, world_size, op, overlap=overlap) \
+        if world_size > 1 else ()
     comm_end = buckets[-1].end_s if buckets else 0.0
     exposed = max(0.0, comm_end - p["backward"])
     comm = sum(b.end_s - b.start_s for b in buckets)

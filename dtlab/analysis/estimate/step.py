@@ -16,6 +16,8 @@ Per tier:
   buckets (torch's own assignment by size)
   all-reduced one after another as backward produces them (``predict_ddp_step``);
   what runs past backward is exposed, and the step blocks once on them (one ``busy_s``).
+  On CPU, where the ranks' threads take every core (``costmodel.spare_cores``), no all-reduce
+  overlaps backward: gloo's work would take its time from backward's.
   DDP's own work: copying each gradient into its bucket and back, and the division by n,
   three passes over the gradient bytes at this machine's copy speed (one with ``gradient_as_bucket_view``).
 * ``zero``: DDP, plus one broadcast per parameter from the rank that updated it, all issued at
@@ -39,11 +41,12 @@ from torch import nn
 
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet
-from dtlab.analysis.costmodel.step import predict_ddp_step
+from dtlab.analysis.costmodel.step import predict_ddp_step, spare_cores
 from dtlab.analysis.estimate import compute, probe
 from dtlab.analysis.estimate.memory import nbytes, zero_partition
 from dtlab.core.compat import ddp_bucket_assignment
 from dtlab.core.config import RunConfig
+from dtlab.core.env import resolve_backend
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
 PROBED_TIERS = ("fsdp", "tp", "fsdp-tp", "cp")
@@ -86,7 +89,12 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     buckets = ddp_buckets(model, cfg.tier_options.bucket_cap_mb)
     notes.append(f"{len(buckets)} DDP bucket(s); DDP's own copies: {passes} pass(es) over the gradients")
     busy = link.busy_s if n > 1 else 0.0  # one rank waits for no one
-    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead).step_s + busy
+    # gloo's all-reduce is CPU work: beside backward only on a core the ranks leave free (a GPU's runs on the device)
+    overlap = resolve_backend(cfg.backend, cfg.device)[1] == "cuda" or spare_cores(n, cfg.resolved_threads)
+    if not overlap:
+        notes.append(f"no all-reduce overlaps backward: {n} rank(s) x {cfg.resolved_threads} thread(s) use every "
+                     "core, and gloo's collectives need the same cores")
+    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead, overlap=overlap).step_s + busy
     if cfg.tier == "zero":
         params = list(model.parameters())
         share = max(sum(p.numel() for p in part) for part in zero_partition(params, n)) / sum(p.numel() for p in params)
