@@ -5,13 +5,17 @@ gloo): 15 message sizes from 1 KiB to 16 MiB a factor of 2 apart (the small
 ones set alpha, the large ones beta), 25 interleaved repeats each, the slowest
 rank of each repeat counting, repeats more than 3 MADs slower than their
 size's median dropped, the median of the rest fitted robustly, and a 90 %
-bootstrap interval for alpha and the bandwidth (``costmodel.calibrate``).
-Then it predicts the DDP step of an MLP (width 1024, depth 3, 8.3 MiB of
-gradients) from ``single`` runs at each point's per-rank batch, the buckets
-DDP built and DDP's overhead measured at world size 1 on another batch -- and
-compares with the measured DDP step. Two bucket caps: 25 MB (one bucket, ready
-only when backward ends: nothing overlaps) and 2 MB (3 buckets: the first two
-overlap backward). Global batch 128, one thread per rank; every run of a round
+bootstrap interval for alpha and the bandwidth (``costmodel.calibrate``), each
+rank on one thread as the training ranks; and ``busy_s``, what an all-reduce
+costs beyond its price between compute (``costmodel.calibrate_busy``, a
+synthetic job of matrix products and all-reduces). Then it predicts the DDP
+step of an MLP (width 1024, depth 3, 8.3 MiB of gradients) from ``single``
+runs at each point's per-rank batch, timed in n copies at once as the n ranks
+share the machine, the buckets DDP built and DDP's overhead measured at world
+size 1 on another batch -- and compares with the measured DDP step. Two bucket
+caps: 25 MB (one bucket, ready only when backward ends) and 2 MB (3 buckets:
+the first two ready during backward, but with every core computing, nothing
+overlaps: ``costmodel.spare_cores``). Global batch 128, one thread per rank; every run of a round
 is interleaved with the others. World size 4 oversubscribes a 2-core machine:
 reported, not counted. As root, also DDP across two simulated hosts (one
 rank each, ``multinode`` tier) on links capped at 10 Gbit/s, 1 Gbit/s and
@@ -29,6 +33,8 @@ lines give alpha, the bandwidth and their intervals.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import _common as common
 import pandas as pd
@@ -63,7 +69,9 @@ def calibrate(args) -> tuple[costmodel.LinkModel, pd.DataFrame, pd.DataFrame]:
     sizes, repeats = (QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS) if args.quick else (SWEEP_SIZES, SWEEP_REPEATS)
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=repeats, per_repeat=True)
     link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")
-    common.note(link.describe())
+    # what an all-reduce costs beyond its price between compute: a synthetic job, not a validation point
+    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=3 if args.quick else 7))
+    common.note(f"{link.describe()}; busy_s {link.busy_s * 1e3:.2f} ms")
     return link, costmodel.fit_frame(sweep, link), sweep
 
 
@@ -72,7 +80,8 @@ def link_text(link: costmodel.LinkModel) -> str:
     (a_lo, a_hi), (b_lo, b_hi) = link.alpha_range_s, link.bandwidth_range_gbps
     return (f"link alpha {link.alpha_s * 1e6:.0f} us [{a_lo * 1e6:.0f}-{a_hi * 1e6:.0f}], "
             f"{link.bandwidth_gbps:.2f} GB/s [{b_lo:.2f}-{b_hi:.2f}] ({link.spread_method}), fit RMS "
-            f"{link.fit_rel_rms:.1%} over {link.points} sizes, {link.dropped}/{link.repeats} repeats dropped")
+            f"{link.fit_rel_rms:.1%} over {link.points} sizes, {link.dropped}/{link.repeats} repeats dropped, "
+            f"busy_s {link.busy_s * 1e3:.2f} ms")
 
 
 def point_text(row) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -283,6 +284,17 @@ def test_ddp_step_without_a_spare_core_overlaps_nothing():
     assert cm.spare_cores(3, 1, cores=4) is True and cm.spare_cores(2, 2, cores=4) is False
 
 
+def test_ddp_step_pays_the_links_busy_s_once_and_only_with_peers():
+    link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
+    busy = dataclasses.replace(link, busy_s=0.004)
+    plain = cm.predict_ddp_step(PHASES, [4000, 4000, 2000], link, 2)
+    pred = cm.predict_ddp_step(PHASES, [4000, 4000, 2000], busy, 2)
+    assert pred.busy_s == 0.004 and pred.step_s == pytest.approx(plain.step_s + 0.004)
+    assert cm.timeline_frame(pred)["end"].max() == pytest.approx(pred.step_s)
+    alone = cm.predict_ddp_step(PHASES, [4000], busy, 1)
+    assert alone.busy_s == 0 and alone.step_s == pytest.approx(sum(PHASES.values()))
+
+
 def test_ddp_step_on_one_rank_is_compute_plus_overhead():
     pred = cm.predict_ddp_step(PHASES, [4000, 4000], cm.LinkModel(ALPHA, BETA), 1, overhead_s=0.002)
     assert pred.step_s == pytest.approx(sum(PHASES.values()) + 0.002)
@@ -327,9 +339,14 @@ def test_validation_never_uses_the_measured_ddp_time_to_predict():
     assert list(a["world_size"]) == [1, 2, 4]
     assert np.allclose(a["predicted_s"], b["predicted_s"])
     half = {k: v / 2 for k, v in PHASES.items()}
-    expected = cm.predict_ddp_step(half, [4000, 4000, 2000], link, 2, overhead_s=0.001).step_s
+    # 2 ranks x 1 thread on 2 cores: no core to spare, so no bucket overlaps backward
+    expected = cm.predict_ddp_step(half, [4000, 4000, 2000], link, 2, overhead_s=0.001, overlap=False).step_s
     assert a.loc[a["world_size"] == 2, "predicted_s"].iloc[0] == pytest.approx(expected)
     assert a.loc[a["world_size"] == 2, "error"].iloc[0] == pytest.approx(abs(expected / 0.020 - 1))
+    spare = cm.validate(link, synthetic_runs(0.020), cores=8)  # a core to spare: the first buckets hide
+    overlapped = cm.predict_ddp_step(half, [4000, 4000, 2000], link, 2, overhead_s=0.001).step_s
+    assert spare.loc[spare["world_size"] == 2, "predicted_s"].iloc[0] == pytest.approx(overlapped)
+    assert overlapped < expected
     assert list(a["oversubscribed"]) == [False, False, True] and list(a["counted"]) == [True, True, False]
     assert plots.predicted_vs_measured(a, tolerance=cm.MEDIAN_TARGET) is not None
 

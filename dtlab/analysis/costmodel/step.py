@@ -46,6 +46,7 @@ class StepPrediction:
     comm_s: float  # all the buckets' all-reduce time, hidden or not
     exposed_comm_s: float  # the part after backward's compute ended: it adds to the step
     world_size: int
+    busy_s: float = 0.0  # the link's busy_s, paid once: the step blocks once on its all-reduces
     buckets: tuple[BucketTiming, ...] = ()
 
     @property
@@ -122,7 +123,9 @@ def predict_ddp_step(phases: Mapping[str, float], bucket_bytes: Sequence[int], l
     computing its own (per-rank) batch without DDP. ``overhead_s``: DDP's own
     per-step work (copying gradients into buckets and back, dividing by n,
     hooks), measured elsewhere (``ddp_overhead``). The step is
-    data + forward + max(backward, end of the last all-reduce) + optimizer + overhead.
+    data + forward + max(backward, end of the last all-reduce) + optimizer + overhead,
+    plus the link's ``busy_s`` once at n > 1 (``costmodel.calibrate_busy``: what a
+    collective costs beyond its price between compute; 0 unless measured).
     ``overlap``: whether an all-reduce can run beside backward's compute
     (``bucket_schedule``; False where the ranks have no core to spare).
     """
@@ -135,10 +138,11 @@ def predict_ddp_step(phases: Mapping[str, float], bucket_bytes: Sequence[int], l
     comm_end = buckets[-1].end_s if buckets else 0.0
     exposed = max(0.0, comm_end - p["backward"])
     comm = sum(b.end_s - b.start_s for b in buckets)
-    step = p["data"] + p["forward"] + max(p["backward"], comm_end) + p["optimizer"] + overhead_s
+    busy = float(getattr(link, "busy_s", 0.0)) if buckets else 0.0
+    step = p["data"] + p["forward"] + max(p["backward"], comm_end) + busy + p["optimizer"] + overhead_s
     return StepPrediction(step_s=step, data_s=p["data"], forward_s=p["forward"], backward_s=p["backward"],
                           optimizer_s=p["optimizer"], overhead_s=overhead_s, comm_s=comm, exposed_comm_s=exposed,
-                          world_size=int(world_size), buckets=buckets)
+                          world_size=int(world_size), busy_s=busy, buckets=buckets)
 
 
 def timeline_frame(prediction: StepPrediction) -> pd.DataFrame:
@@ -151,7 +155,7 @@ def timeline_frame(prediction: StepPrediction) -> pd.DataFrame:
     t_bwd = p.data_s + p.forward_s
     wait = max(p.backward_s, p.buckets[-1].end_s if p.buckets else 0.0) - p.backward_s
     parts = [("data", p.data_s), ("forward", p.forward_s), ("backward", p.backward_s), ("idle", wait),
-             ("ddp overhead", p.overhead_s), ("optimizer", p.optimizer_s)]
+             ("busy", p.busy_s), ("ddp overhead", p.overhead_s), ("optimizer", p.optimizer_s)]
     rows, t = [], 0.0
     for name, seconds in parts:
         if seconds > 0:

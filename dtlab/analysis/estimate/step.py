@@ -94,7 +94,7 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     if not overlap:
         notes.append(f"no all-reduce overlaps backward: {n} rank(s) x {cfg.resolved_threads} thread(s) use every "
                      "core, and gloo's collectives need the same cores")
-    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead, overlap=overlap).step_s + busy
+    step = predict_ddp_step(ph, buckets, link, n, overhead_s=overhead, overlap=overlap).step_s  # busy_s once
     if cfg.tier == "zero":
         params = list(model.parameters())
         share = max(sum(p.numel() for p in part) for part in zero_partition(params, n)) / sum(p.numel() for p in params)
