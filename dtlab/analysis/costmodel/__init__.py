@@ -46,6 +46,9 @@ formulas above are what carries it to other ``n``.
 Calibration (``calibrate``) has to hold from run to run on a shared machine,
 so every step of it is robust and says how sure it is:
 
+* each rank of the sweep runs torch on its share of the cores, as a training rank
+  does (more threads leave OpenMP workers spinning on the cores gloo needs, and
+  the collectives time up to 3x slower);
 * the sweep interleaves its repeats (each round runs every size once, in a
   shuffled order), so a burst of load slows one round, not every repeat of
   one size; a repeat's time is its slowest rank's;
@@ -61,7 +64,7 @@ so every step of it is robust and says how sure it is:
   the ``LinkModel`` beside the RMS residual and shown by ``describe()``.
 
 ``predict_ddp_step`` turns a single-rank compute timeline and DDP's bucket
-sizes into a step time; ``measure`` and ``validate`` check it against real
+sizes into a step time (plus the link's ``busy_s``, once); ``measure`` and ``validate`` check it against real
 DDP runs; ``project`` extrapolates to world sizes and links this machine
 does not have (a simulation, with its ``assumptions``).
 
@@ -71,9 +74,11 @@ The modules, one job each (every public name is re-exported here, so
 * ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
 * ``linkset``: one link per collective (``LinkSet``, fitted by ``calibrate_ops``);
 * ``busy``: what a collective costs beyond its price between a step's compute (``calibrate_busy``);
-* ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``);
-* ``measure``: the code that starts runs (``measure``, ``measure_links``) and checks the step model
-  against them (``validate``, ``validate_links``, ``summary``);
+* ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``),
+  and whether a core is left for communication to overlap (``spare_cores``);
+* ``measure``: the code that starts runs (``measure``, ``measure_links``; the compute of n ranks timed
+  in n copies at once, ``compute_together``) and checks the step model against them (``validate``,
+  ``validate_links``, ``summary``);
 * ``projection``: what-if world sizes and links (``project``, ``assumptions``).
 """
 
