@@ -23,7 +23,6 @@ hiccups do not reach the result (``sweep_plan``, ``outliers``, ``size_medians``)
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.core.comm import BYTES, END, OP, START, bus_factor
+from dtlab.core.config import shared_threads
 from dtlab.instrument.recorder import active
 from dtlab.launch.local import launch
 
@@ -199,7 +199,7 @@ def sweep(world_size: int = 2, ops: tuple[str, ...] = OPS, sizes: tuple[int, ...
         raise ValueError(f"repeats={repeats!r} is invalid: must be an integer >= 1")
     if not isinstance(threads_per_rank, int) or threads_per_rank < 0:
         raise ValueError(f"threads_per_rank={threads_per_rank!r} is invalid: must be an integer >= 0 (0 = automatic)")
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_rank or shared_threads(world_size)
     per_rank = launch(sweep_rank, world_size, args=(tuple(ops), tuple(sizes), repeats, threads), progress=False,
                       **launch_kwargs)
     df = pd.DataFrame([row for rows in per_rank for row in rows])

@@ -63,6 +63,11 @@ def parse_slow_rank(text: str) -> tuple[int, float]:
     return who, value
 
 
+def shared_threads(ranks: int) -> int:
+    """Torch threads per rank when this machine's cores are shared out among ``ranks`` processes (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A training job. Tier-specific knobs live in ``tier_options``.
@@ -174,9 +179,7 @@ class RunConfig:
 
     @property
     def resolved_threads(self) -> int:
-        if self.threads_per_rank:
-            return self.threads_per_rank
-        return max(1, (os.cpu_count() or 1) // self.world_size)
+        return self.threads_per_rank or shared_threads(self.world_size)
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with some fields changed (validated again)."""

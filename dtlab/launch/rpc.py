@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import torch
 
 from dtlab.core.compat import set_rpc_timeout, tensorpipe_options
+from dtlab.core.config import shared_threads
 from dtlab.core.net import LOOPBACK, interface_for, warn_if_exposed
 from dtlab.instrument.rpc import RpcRecorder, RpcWorker, events_frame, install, set_current
 from dtlab.launch.contract import LaunchResult, Progress
@@ -119,7 +120,7 @@ def launch_rpc(fn: Callable[..., Any], names: list[str] | tuple[str, ...], *, ar
         raise ValueError(f"rpc_timeout_s={rpc_timeout_s!r} is invalid: must be > 0 seconds")
     interface_for(bind_address)  # fails here, before any process starts
     warn_if_exposed(bind_address)
-    threads = threads or max(1, (os.cpu_count() or 1) // len(names))
+    threads = threads or shared_threads(len(names))
     out = launch(_worker_main, len(names), args=(fn, names, rpc_timeout_s, bind_address, record, threads, args),
                  backend="gloo", device="cpu", timeout_s=timeout_s, progress=progress, record=False, stop=stop)
     return RpcLaunchResult([o["value"] for o in out], out.logs, out.wall_s,

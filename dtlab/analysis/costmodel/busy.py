@@ -17,7 +17,6 @@ it; ``dtlab.analysis.estimate`` adds it once per collective the training thread 
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet
+from dtlab.core.config import shared_threads
 from dtlab.launch.local import launch
 
 __all__ = ["BUSY_MODES", "busy_excess", "busy_rank", "calibrate_busy"]
@@ -111,7 +111,7 @@ def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = No
     estimate adds it to; without, over the all-reduce timed alone in the same job. About 5 s."""
     if world_size < 2:
         raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads or shared_threads(world_size)
     for name, value in (("rounds", rounds), ("iterations", iterations), ("nbytes", nbytes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
