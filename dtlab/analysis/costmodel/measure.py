@@ -26,6 +26,7 @@ import pandas as pd
 from dtlab.analysis import linksweep
 from dtlab.analysis.costmodel.links import LinkModel, capped, check_world_size
 from dtlab.analysis.costmodel.step import COMPUTE_PHASES, predict_ddp_step, spare_cores
+from dtlab.core.config import shared_threads
 from dtlab.train import run
 
 __all__ = ["MAX_TARGET", "MEDIAN_TARGET", "WARMUP_STEPS", "ddp_overhead", "measure", "measure_links",
@@ -151,7 +152,7 @@ def _measure_plan(cfg: Any, world_sizes: tuple[int, ...], caps: tuple[float, ...
     batch = overhead_batch(cfg, world_sizes)
     # each rank's threads, as the ddp run at n gets them
     plan = [("compute", cfg.replace(**single, global_batch_size=cfg.global_batch_size // n,
-                                    threads_per_rank=cfg.replace(world_size=n).resolved_threads), n)
+                                    threads_per_rank=cfg.threads_per_rank or shared_threads(n)), n)
             for n in world_sizes]
     plan += [("ddp", with_cap[c].replace(world_size=n), 1) for c in caps for n in world_sizes]
     plan.append(("overhead_single", cfg.replace(**single, global_batch_size=batch), 1))

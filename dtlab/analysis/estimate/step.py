@@ -88,7 +88,6 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     overhead = passes * grad_bytes * compute.copy_seconds_per_byte()
     buckets = ddp_buckets(model, cfg.tier_options.bucket_cap_mb)
     notes.append(f"{len(buckets)} DDP bucket(s); DDP's own copies: {passes} pass(es) over the gradients")
-    busy = link.busy_s if n > 1 else 0.0  # one rank waits for no one
     # gloo's all-reduce is CPU work: beside backward only on a core the ranks leave free (a GPU's runs on the device)
     overlap = resolve_backend(cfg.backend, cfg.device)[1] == "cuda" or spare_cores(n, cfg.resolved_threads)
     if not overlap:
@@ -100,7 +99,8 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
         share = max(sum(p.numel() for p in part) for part in zero_partition(params, n)) / sum(p.numel() for p in params)
         step -= ph["optimizer"] * (1 - share)
         # ZeroRedundancyOptimizer issues every broadcast at once and then waits for them all: one more wait
-        step += sum(link.predict("broadcast", nbytes(p), n) for p in params) + busy
+        step += sum(link.predict("broadcast", nbytes(p), n) for p in params)
+        step += link.busy_s if n > 1 else 0.0  # one rank waits for no one
         notes.append(f"ZeRO: the optimizer steps {share:.0%} of the parameters; one broadcast per parameter")
     return step, notes
 
