@@ -53,7 +53,7 @@ LINK_CAPS_MBIT = (10_000.0, 1_000.0, 200.0)
 QUICK_LINK_CAPS_MBIT = (200.0,)
 # the calibration sweep: a few seconds of collectives (a round of 15 sizes moves 32 MiB, ~0.1 s on loopback)
 SWEEP_SIZES, SWEEP_REPEATS = collectives.CALIBRATION_SIZES, 25
-QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS = (4096, 65536, 1 << 20, 4 << 20), 5
+QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS = (4096, 65536, 1 << 20, 4 << 20, 16 << 20), 5
 
 
 def config(quick: bool) -> RunConfig:
@@ -65,7 +65,8 @@ def config(quick: bool) -> RunConfig:
 
 def calibrate(args) -> tuple[costmodel.LinkModel, pd.DataFrame, pd.DataFrame]:
     """The link, its fit per size and the sweep's repeats (per repeat, so the bootstrap resamples them too)."""
-    # quick mode still needs messages of a few MiB: below that the per-byte cost drowns in noise
+    # quick mode still needs messages up to 16 MiB: below that the per-byte cost drowns in noise, and a fit
+    # that finds none (beta <= 0) stops the script
     sizes, repeats = (QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS) if args.quick else (SWEEP_SIZES, SWEEP_REPEATS)
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=repeats, per_repeat=True)
     link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")

@@ -21,6 +21,15 @@ def test_unknown_benchmark_is_named():
         scripts(["nope"])
 
 
+def test_a_failed_benchmark_names_its_last_output_lines(tmp_path, monkeypatch):
+    # where only the exception survives (a CI log), its message must carry the script's own error
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('ok: measured 1.0 (target none)')\nsys.exit('broken: the fit failed')\n")
+    monkeypatch.setattr("dtlab.app.bench.scripts", lambda only=None: [script])
+    with pytest.raises(RuntimeError, match=r"broken \(exit 1;[\s\S]*broken: the fit failed"):
+        run_all(tmp_path / "out", quick=True)
+
+
 def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     rows = run_all(tmp_path, quick=True)
     assert {r["script"] for r in rows} == {p.stem for p in scripts()}

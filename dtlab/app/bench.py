@@ -64,12 +64,18 @@ def run_all(out: Path, quick: bool = False, only: list[str] | None = None,
             for row in found:
                 print(f"   {row['name']}: {row['value']} (target {row['target']}){row['verdict'] or ''}", flush=True)
             if proc.returncode != 0 or not found:
-                failed.append(f"{script.stem} (exit {proc.returncode}; see {out / (script.stem + '.log')})")
+                failed.append(f"{script.stem} (exit {proc.returncode}; see {out / (script.stem + '.log')}; "
+                              f"it ended:\n{_tail(proc.stdout + proc.stderr)})")
             rows += [{"script": script.stem, **row} for row in found]
     write_summary(out, rows, quick)
     if failed:
         raise RuntimeError("benchmarks failed: " + ", ".join(failed))
     return rows
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    """The last lines of a failed script's output, so a failure names its cause where only the error is kept."""
+    return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
 
 
 def _run_script(script: Path, out: Path, quick: bool) -> subprocess.CompletedProcess:
