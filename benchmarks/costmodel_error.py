@@ -71,7 +71,8 @@ def calibrate(args) -> tuple[costmodel.LinkModel, pd.DataFrame, pd.DataFrame]:
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=repeats, per_repeat=True)
     link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")
     # what an all-reduce costs beyond its price between compute: a synthetic job, not a validation point
-    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=3 if args.quick else 7))
+    busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
+    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=busy_rounds))
     common.note(f"{link.describe()}; busy_s {link.busy_s * 1e3:.2f} ms")
     return link, costmodel.fit_frame(sweep, link), sweep
 

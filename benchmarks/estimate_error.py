@@ -106,7 +106,8 @@ def step_errors(args) -> None:
     sweep = collectives.sweep(2, ops=LINK_OPS, sizes=sizes, repeats=2 if args.quick else 7, per_repeat=True)
     link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
     # a synthetic job (matrix products, then an all-reduce), never one of the points below
-    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=3 if args.quick else 7))
+    busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
+    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=busy_rounds))
     print(link.describe(), f"\nbusy_s = {link.busy_s * 1e3:.2f} ms per collective between compute", flush=True)
     jobs = step_points(args.quick)
 

@@ -83,7 +83,7 @@ The modules, one job each (every public name is re-exported here, so
 * ``projection``: what-if world sizes and links (``project``, ``assumptions``).
 """
 
-from dtlab.analysis.costmodel.busy import busy_excess, calibrate_busy
+from dtlab.analysis.costmodel.busy import BUSY_ROUNDS, busy_excess, calibrate_busy
 from dtlab.analysis.costmodel.links import (
     ALGORITHM_NAMES,
     ALGORITHMS,
@@ -141,7 +141,7 @@ __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
     "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
     "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
-    "busy_excess", "calibrate", "calibrate_busy", "calibrate_ops", "capped",
+    "BUSY_ROUNDS", "busy_excess", "calibrate", "calibrate_busy", "calibrate_ops", "capped",
     "coefficients", "compute_together", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links",
     "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "spare_cores", "split_buckets",

@@ -31,10 +31,13 @@ from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.core.config import shared_threads
 from dtlab.launch.local import launch
 
-__all__ = ["BUSY_MODES", "busy_excess", "busy_rank", "calibrate_busy"]
+__all__ = ["BUSY_MODES", "BUSY_ROUNDS", "busy_excess", "busy_rank", "calibrate_busy"]
 
 BUSY_MODES = ("compute", "collective", "both")
 _MATRIX = 256  # one product of two 256 x 256 matrices: about 0.4 ms on one core here
+# Six calls each on this machine (2026-12-04, world 2): 7 rounds gave 0.20-3.25 ms, 25 rounds 0.65-1.87 ms
+# (twelve calls), 50 rounds 0.77-1.74 ms. 25 rounds, about 8 s, keeps most of what more rounds would buy.
+BUSY_ROUNDS = 25
 
 
 def _compute_kernels(target_s: float) -> int:
@@ -102,13 +105,14 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
 
 
 def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = None, nbytes: int = 64 * 1024,
-                   compute_s: float = 5e-3, rounds: int = 7, iterations: int = 20, threads: int | None = None,
+                   compute_s: float = 5e-3, rounds: int = BUSY_ROUNDS, iterations: int = 20, threads: int | None = None,
                    **launch_kwargs: Any) -> float:
     """Seconds a collective costs in a busy step beyond the link's price (``busy_excess`` of a synthetic job
     at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with ``threads``
     torch threads per rank (default: the cores shared out, as ``RunConfig`` does). With ``link`` (a
     ``LinkModel`` or ``LinkSet``) the excess is over that link's price for the all-reduce, the price the
-    estimate adds it to; without, over the all-reduce timed alone in the same job. About 5 s."""
+    estimate adds it to; without, over the all-reduce timed alone in the same job. About 8 s at the
+    default ``rounds``."""
     if world_size < 2:
         raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
     threads = threads or shared_threads(world_size)
