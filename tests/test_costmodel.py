@@ -514,6 +514,20 @@ def test_busy_excess_is_the_median_round_of_both_minus_its_parts():
         cm.busy_excess([r for r in rows if r["mode"] != "both"])
 
 
+def test_busy_at_runs_straight_between_the_two_spacings_and_holds_at_either_end():
+    link = cm.LinkModel.from_bandwidth(1000, 50e-6)
+    assert cm.busy_at(dataclasses.replace(link, busy_s=2e-3), 1e-4) == 2e-3  # no short figure: busy_s everywhere
+    both = dataclasses.replace(link, busy_s=2e-3, busy_short_s=0.5e-3)
+    assert cm.busy_at(both, cm.BUSY_SHORT_COMPUTE_S) == pytest.approx(0.5e-3)
+    assert cm.busy_at(both, 1e-5) == pytest.approx(0.5e-3)  # held below the short spacing
+    assert cm.busy_at(both, cm.BUSY_COMPUTE_S) == pytest.approx(2e-3)
+    assert cm.busy_at(both, 0.1) == pytest.approx(2e-3)  # and above the long one
+    halfway = (cm.BUSY_SHORT_COMPUTE_S + cm.BUSY_COMPUTE_S) / 2
+    assert cm.busy_at(both, halfway) == pytest.approx(1.25e-3)
+    linkset = cm.LinkSet({"all_reduce": link}, link, busy_s=2e-3, busy_short_s=0.5e-3)
+    assert cm.busy_at(linkset, halfway) == pytest.approx(1.25e-3)
+
+
 def test_calibrate_busy_names_a_bad_argument_before_starting_anything():
     for kwargs, field in (({"rounds": 0}, "rounds"), ({"nbytes": 0}, "nbytes"), ({"compute_s": 0.0}, "compute_s"),
                           ({"world_size": 1}, "world_size"), ({"world_size": 0}, "world_size")):

@@ -156,6 +156,11 @@ def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkey
     assert extra_ms(zero.replace(tier="ddp", world_size=1)) == 0  # one rank waits for no one
     # five collectives; the barrier has no price, and a ring's exchange overlaps the compute it feeds
     assert extra_ms(zero.replace(tier="fsdp")) == pytest.approx(10 * 5)
+    # 10 ms of work over those five: 2 ms apart, between the two spacings measured (0.5 and 5 ms), so each
+    # pays busy_at's straight line between the short and the long figure
+    both = dataclasses.replace(link, busy_s=0.01, busy_short_s=0.001)
+    short_fsdp = estimate(zero.replace(tier="fsdp"), both).step_ms - estimate(zero.replace(tier="fsdp"), link).step_ms
+    assert short_fsdp == pytest.approx(5 * (1 + 9 * (2 - 0.5) / (5 - 0.5)))
 
 
 def test_the_pipeline_bubble_follows_the_schedule():

@@ -19,6 +19,7 @@ exposed; ``comm_exposure`` measures that.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +183,9 @@ class Strategy(base.Strategy):
         # gathered), so that every unit gathers exactly twice per step when it is True.
         kwargs = dict(mesh=mesh, reshard_after_forward=self.options.reshard_after_forward, mp_policy=mp,
                       offload_policy=offload)
+        # FSDP2 warns when the root returns a view (a Linear head on 3-D input does): an in-place op on
+        # it would skip the pre-backward hook. dtlab's loop only computes the loss from it, out of place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         units = shard_units(model)
         owned = {id(p) for _, unit in units for p in unit.parameters()}
         named = {unit: name for name, unit in units}

@@ -74,7 +74,8 @@ The modules, one job each (every public name is re-exported here, so
 
 * ``links``: the formulas above, ``LinkModel``, ``capped`` and fitting a link on a sweep (``calibrate``);
 * ``linkset``: one link per collective (``LinkSet``, fitted by ``calibrate_ops``);
-* ``busy``: what a collective costs beyond its price between a step's compute (``calibrate_busy``);
+* ``busy``: what a collective costs beyond its price between a step's compute (``calibrate_busy``), after
+  5 ms and after 0.5 ms of it (``with_busy``), and in between (``busy_at``);
 * ``step``: one DDP step from compute phases and bucket sizes (``predict_ddp_step``, ``timeline_frame``),
   and whether a core is left for communication to overlap (``spare_cores``);
 * ``measure``: the code that starts runs (``measure``, ``measure_links``; the compute of n ranks timed
@@ -83,7 +84,15 @@ The modules, one job each (every public name is re-exported here, so
 * ``projection``: what-if world sizes and links (``project``, ``assumptions``).
 """
 
-from dtlab.analysis.costmodel.busy import BUSY_ROUNDS, busy_excess, calibrate_busy
+from dtlab.analysis.costmodel.busy import (
+    BUSY_COMPUTE_S,
+    BUSY_ROUNDS,
+    BUSY_SHORT_COMPUTE_S,
+    busy_at,
+    busy_excess,
+    calibrate_busy,
+    with_busy,
+)
 from dtlab.analysis.costmodel.links import (
     ALGORITHM_NAMES,
     ALGORITHMS,
@@ -141,10 +150,11 @@ __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
     "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
     "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
-    "BUSY_ROUNDS", "busy_excess", "calibrate", "calibrate_busy", "calibrate_ops", "capped",
+    "BUSY_COMPUTE_S", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at", "busy_excess",
+    "calibrate", "calibrate_busy", "calibrate_ops", "capped",
     "coefficients", "compute_together", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links",
     "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "spare_cores", "split_buckets",
     "summary",
-    "summary_line", "timeline_frame", "validate", "validate_links",
+    "summary_line", "timeline_frame", "validate", "validate_links", "with_busy",
 ]

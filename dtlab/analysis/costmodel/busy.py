@@ -17,6 +17,8 @@ it; ``dtlab.analysis.estimate`` adds it once per collective the training thread 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import statistics
 import time
@@ -31,13 +33,18 @@ from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.core.config import shared_threads
 from dtlab.launch.local import launch
 
-__all__ = ["BUSY_MODES", "BUSY_ROUNDS", "busy_excess", "busy_rank", "calibrate_busy"]
+__all__ = ["BUSY_COMPUTE_S", "BUSY_MODES", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at", "busy_excess", "busy_rank",
+           "calibrate_busy", "with_busy"]
 
 BUSY_MODES = ("compute", "collective", "both")
 _MATRIX = 256  # one product of two 256 x 256 matrices: about 0.4 ms on one core here
 # Six calls each on this machine (2026-12-04, world 2): 7 rounds gave 0.20-3.25 ms, 25 rounds 0.65-1.87 ms
 # (twelve calls), 50 rounds 0.77-1.74 ms. 25 rounds, about 8 s, keeps most of what more rounds would buy.
 BUSY_ROUNDS = 25
+# The compute between collectives that busy_s and busy_short_s are measured after. A rank's lead grows with
+# the work before the meeting: here, 25 rounds each (2026-12-04, four calls), 0.5 ms gave 0.04-0.63 ms,
+# 1.6 ms 0.22-1.14 ms and 5 ms 0.64-1.60 ms.
+BUSY_COMPUTE_S, BUSY_SHORT_COMPUTE_S = 5e-3, 0.5e-3
 
 
 def _compute_kernels(target_s: float) -> int:
@@ -105,8 +112,8 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
 
 
 def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = None, nbytes: int = 64 * 1024,
-                   compute_s: float = 5e-3, rounds: int = BUSY_ROUNDS, iterations: int = 20, threads: int | None = None,
-                   **launch_kwargs: Any) -> float:
+                   compute_s: float = BUSY_COMPUTE_S, rounds: int = BUSY_ROUNDS, iterations: int = 20,
+                   threads: int | None = None, **launch_kwargs: Any) -> float:
     """Seconds a collective costs in a busy step beyond the link's price (``busy_excess`` of a synthetic job
     at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with ``threads``
     torch threads per rank (default: the cores shared out, as ``RunConfig`` does). With ``link`` (a
@@ -126,3 +133,22 @@ def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = No
                       **launch_kwargs)
     price = None if link is None else float(link.predict("all_reduce", nbytes, world_size))
     return busy_excess([row for rows in per_rank for row in rows], price)
+
+
+def with_busy(link: LinkModel | LinkSet, world_size: int = 2, **kwargs: Any) -> LinkModel | LinkSet:
+    """``link`` with both busy figures measured over its price: ``busy_s`` after ``BUSY_COMPUTE_S`` of compute,
+    ``busy_short_s`` after ``BUSY_SHORT_COMPUTE_S`` (``calibrate_busy`` twice; its keywords apply)."""
+    return dataclasses.replace(
+        link, busy_s=calibrate_busy(world_size, link=link, compute_s=BUSY_COMPUTE_S, **kwargs),
+        busy_short_s=calibrate_busy(world_size, link=link, compute_s=BUSY_SHORT_COMPUTE_S, **kwargs))
+
+
+def busy_at(link: LinkModel | LinkSet, compute_s: float) -> float:
+    """A collective's busy excess after ``compute_s`` of work since the last one: straight between
+    ``busy_short_s`` (at ``BUSY_SHORT_COMPUTE_S``) and ``busy_s`` (at ``BUSY_COMPUTE_S``), held at either end;
+    ``busy_s`` wherever ``busy_short_s`` was not measured (NaN)."""
+    long_s, short_s = float(link.busy_s), float(getattr(link, "busy_short_s", math.nan))
+    if math.isnan(short_s):
+        return long_s
+    at = min(max(compute_s, BUSY_SHORT_COMPUTE_S), BUSY_COMPUTE_S)
+    return short_s + (long_s - short_s) * (at - BUSY_SHORT_COMPUTE_S) / (BUSY_COMPUTE_S - BUSY_SHORT_COMPUTE_S)

@@ -129,6 +129,7 @@ class LinkModel:
     beta_range_s_per_byte: tuple[float, float] = NAN_RANGE
     spread_method: str = ""
     busy_s: float = 0.0  # a collective's extra cost inside a busy step (``costmodel.busy``); 0: not measured
+    busy_short_s: float = float("nan")  # the same after little compute (``costmodel.busy_at``); NaN: not measured
 
     def __post_init__(self) -> None:
         check_backend(self.backend)

@@ -28,6 +28,7 @@ class LinkSet:
     links: dict[str, LinkModel]
     default: LinkModel
     busy_s: float = 0.0  # a collective's extra cost inside a busy step (``costmodel.calibrate_busy``)
+    busy_short_s: float = float("nan")  # the same after little compute (``costmodel.busy_at``); NaN: not measured
 
     def __post_init__(self) -> None:
         for op in self.links:

@@ -27,9 +27,11 @@ Per tier:
   (FSDP2's copy-in and copy-out around every collective and its optimizer on DTensors;
   DTensor's dispatch on every op), so the job's ranks run dtlab's own loop on torch's fake
   backend (``probe``: every rank at once, collectives free, everything else as at world n),
-  and every collective rank 0 called in a steady step is priced on the link (plus ``busy_s``, but not
-  for cp's point-to-point ring, which overlaps the attention block it feeds) and added, all of it
-  exposed: on CPU these tiers run their collectives in the training thread.
+  and every collective rank 0 called in a steady step is priced on the link and added, all of it
+  exposed: on CPU these tiers run their collectives in the training thread. Each one also pays the
+  busy excess for the work between them (``costmodel.busy_at`` of the step's work over its collectives:
+  FSDP's many collectives, close together, each pay less than DDP's single wait), except cp's
+  point-to-point ring, which overlaps the attention block it feeds.
 * ``pipeline``: per stage and micro-batch, forward + backward + its transfers; GPipe
   and 1F1B take (M - 1) x the slowest stage + the sum of the stages (the bubble is the
   same for both), ``naive`` takes M x the sum.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dtlab.analysis.costmodel.busy import busy_at
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.costmodel.step import predict_ddp_step, spare_cores
@@ -109,18 +112,24 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
     """Rank 0 on the fake backend (``probe``): its step with free collectives, plus each collective it called,
     priced on the link; all exposed (on CPU, FSDP2's and DTensor's collectives run in the training thread)."""
     measured = probe.probe(cfg)
+    # a point-to-point exchange (cp's ring) overlaps the block it feeds: no wait between compute is added
+    waits = [c for c in measured.collectives if probe.link_op(c[0]) not in (None, "send_recv")]
+    # the ranks meet at each wait, so each one's lead grows only over the work since the last
+    busy = busy_at(link, measured.step_s / len(waits)) if waits else 0.0
     comm, unpriced = 0.0, set()
     for op, size, group in measured.collectives:
         name = probe.link_op(op)
         if name is None:
             unpriced.add(op)
             continue
-        # a point-to-point exchange (cp's ring) overlaps the block it feeds: no wait between compute is added
-        comm += link.predict(name, size, group) + (link.busy_s if name != "send_recv" else 0.0)
+        comm += link.predict(name, size, group) + (busy if name != "send_recv" else 0.0)
     notes.append(f"{cfg.tier}: rank 0's step on torch's fake backend (compute and the tier's own CPU work, "
                  f"collectives free): {measured.step_s * 1e3:.3g} ms, timed in a child process; plus its "
                  f"{len(measured.collectives)} collectives per step priced on the link ({comm * 1e3:.3g} ms), "
                  "all exposed")
+    if busy:
+        notes.append(f"{len(waits)} waits, {measured.step_s / len(waits) * 1e3:.3g} ms of work apart: "
+                     f"{busy * 1e3:.3g} ms each beyond the price (costmodel.busy_at)")
     if unpriced:
         notes.append(f"not priced (no link rule): {', '.join(sorted(unpriced))}")
     return measured.step_s + comm, notes
