@@ -539,3 +539,6 @@ def test_calibrate_busy_names_a_bad_argument_before_starting_anything():
 def test_calibrate_busy_measures_a_launched_job(no_survivors):
     busy = cm.calibrate_busy(2, rounds=2, iterations=5, compute_s=1e-3)
     assert math.isfinite(busy) and 0.0 <= busy < 0.5
+    link = cm.with_busy(cm.LinkModel.from_bandwidth(1000, 50e-6), 2, rounds=2, iterations=5)
+    assert all(math.isfinite(v) and 0.0 <= v < 0.5 for v in (link.busy_s, link.busy_short_s))
+    assert link.alpha_s == 50e-6  # the price is kept; only the busy figures are measured
