@@ -12,7 +12,9 @@ alternates a fixed amount of compute with one all-reduce (``both``), and the sam
 compute alone and the all-reduce alone, in shuffled rounds. The excess per collective is
 ``both - compute - collective`` per round (each the slowest rank's median iteration), and the
 result is the median over rounds, never below zero. ``LinkModel.busy_s`` and ``LinkSet.busy_s`` carry
-it; ``dtlab.analysis.estimate`` adds it once per collective the training thread blocks on.
+it; ``dtlab.analysis.estimate`` adds it once per collective the training thread blocks on. The excess
+grows with the work before the meeting, so ``with_busy`` measures it after 5 ms and after 0.5 ms
+(``busy_short_s``), and ``busy_at`` gives it for the work in between, as FSDP's close collectives pay it.
 """
 
 from __future__ import annotations

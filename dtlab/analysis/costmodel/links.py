@@ -104,15 +104,14 @@ NAN_RANGE = (float("nan"), float("nan"))
 class LinkModel:
     """An alpha-beta description of one backend on one link.
 
-    ``alpha_s``: seconds per message step; ``beta_s_per_byte``: seconds per byte
-    (1 / bandwidth). ``backend`` chooses the algorithms (``ALGORITHMS``);
-    ``world_size`` is where it was calibrated; ``ops`` the collectives it was
-    fitted on; ``points`` and ``fit_rel_rms`` how many sweep points (message
-    sizes) it was fitted on and their RMS relative residual; ``repeats`` and
-    ``dropped`` how many repeats were measured at those points and how many the
-    outlier rule left out; ``alpha_range_s`` and ``beta_range_s_per_byte`` the
-    fit's spread (``calibrate``'s bootstrap interval, ``spread_method`` says which); ``busy_s`` is
-    in ``costmodel.busy``. A link built by hand has NaN for the fit's numbers, 0 for the counts.
+    ``alpha_s``: seconds per message step; ``beta_s_per_byte``: seconds per byte (1 / bandwidth).
+    ``backend`` chooses the algorithms (``ALGORITHMS``); ``world_size`` is where it was calibrated;
+    ``ops`` the collectives it was fitted on; ``points`` and ``fit_rel_rms`` how many sweep points
+    (message sizes) it was fitted on and their RMS relative residual; ``repeats`` and ``dropped`` how
+    many repeats were measured at those points and how many the outlier rule left out;
+    ``alpha_range_s`` and ``beta_range_s_per_byte`` the fit's spread (``calibrate``'s bootstrap
+    interval, ``spread_method`` says which); ``busy_s`` and ``busy_short_s``: ``costmodel.busy``.
+    A link built by hand has NaN for the fit's numbers, 0 for the counts.
     """
 
     alpha_s: float
@@ -129,7 +128,7 @@ class LinkModel:
     beta_range_s_per_byte: tuple[float, float] = NAN_RANGE
     spread_method: str = ""
     busy_s: float = 0.0  # a collective's extra cost inside a busy step (``costmodel.busy``); 0: not measured
-    busy_short_s: float = float("nan")  # the same after little compute (``costmodel.busy_at``); NaN: not measured
+    busy_short_s: float = float("nan")  # the same after 0.5 ms of compute (``busy_at``); NaN: not measured
 
     def __post_init__(self) -> None:
         check_backend(self.backend)

@@ -122,7 +122,8 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
         if name is None:
             unpriced.add(op)
             continue
-        comm += link.predict(name, size, group) + (busy if name != "send_recv" else 0.0)
+        comm += link.predict(name, size, group)
+    comm += busy * len(waits)
     notes.append(f"{cfg.tier}: rank 0's step on torch's fake backend (compute and the tier's own CPU work, "
                  f"collectives free): {measured.step_s * 1e3:.3g} ms, timed in a child process; plus its "
                  f"{len(measured.collectives)} collectives per step priced on the link ({comm * 1e3:.3g} ms), "
