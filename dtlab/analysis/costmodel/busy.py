@@ -152,7 +152,7 @@ def busy_at(link: LinkModel | LinkSet, compute_s: float) -> float:
     """A collective's busy excess after ``compute_s`` of work since the last one: straight between
     ``busy_short_s`` (at ``BUSY_SHORT_COMPUTE_S``) and ``busy_s`` (at ``BUSY_COMPUTE_S``), held at either end;
     ``busy_s`` wherever ``busy_short_s`` was not measured (NaN)."""
-    long_s, short_s = float(link.busy_s), float(getattr(link, "busy_short_s", math.nan))
+    long_s, short_s = float(link.busy_s), float(link.busy_short_s)
     if math.isnan(short_s):
         return long_s
     at = min(max(compute_s, BUSY_SHORT_COMPUTE_S), BUSY_COMPUTE_S)
