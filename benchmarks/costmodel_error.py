@@ -6,13 +6,18 @@ ones set alpha, the large ones beta), 25 interleaved repeats each, the slowest
 rank of each repeat counting, repeats more than 3 MADs slower than their
 size's median dropped, the median of the rest fitted robustly, and a 90 %
 bootstrap interval for alpha and the bandwidth (``costmodel.calibrate``), each
-rank on one thread as the training ranks; and ``busy_s``, what an all-reduce
-costs beyond its price between compute (``costmodel.calibrate_busy``, a
-synthetic job of matrix products and all-reduces). Then it predicts the DDP
-step of an MLP (width 1024, depth 3, 8.3 MiB of gradients) from ``single``
-runs at each point's per-rank batch, timed in n copies at once as the n ranks
-share the machine, the buckets DDP built and DDP's overhead measured at world
-size 1 on another batch -- and compares with the measured DDP step. Two bucket
+rank on one thread as the training ranks. Then, round after round, it measures
+``busy_s``, what an all-reduce costs beyond the same all-reduce timed alone
+when it follows 5 ms of compute (``costmodel.calibrate_busy``, a synthetic job of
+matrix products and all-reduces), and runs every point, interleaved: it predicts
+the DDP step of an MLP (width 1024, depth 3, 8.3 MiB of gradients) from
+``single`` runs at each point's per-rank batch, timed in n copies at once as the
+n ranks share the machine, the buckets DDP built, that round's ``busy_s`` and
+DDP's overhead measured at world size 1 on another batch (every round's) -- and
+compares with the DDP step measured in the same round, unrecorded. A point's
+error is the median over rounds of each round's error (``costmodel.validate_rounds``):
+this machine's speed drifts by 10-25 % within minutes, and a round's prediction
+and measurement drift together. Two bucket
 caps: 25 MB (one bucket, ready only when backward ends) and 2 MB (3 buckets:
 the first two ready during backward, but with every core computing, nothing
 overlaps: ``costmodel.spare_cores``). Global batch 128, one thread per rank; every run of a round
@@ -35,6 +40,7 @@ lines give alpha, the bandwidth and their intervals.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import _common as common
 import pandas as pd
@@ -53,7 +59,7 @@ LINK_CAPS_MBIT = (10_000.0, 1_000.0, 200.0)
 QUICK_LINK_CAPS_MBIT = (200.0,)
 # the calibration sweep: a few seconds of collectives (a round of 15 sizes moves 32 MiB, ~0.1 s on loopback)
 SWEEP_SIZES, SWEEP_REPEATS = collectives.CALIBRATION_SIZES, 25
-QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS = (4096, 65536, 1 << 20, 4 << 20, 16 << 20), 5
+QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS = collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS
 
 
 def config(quick: bool) -> RunConfig:
@@ -65,25 +71,35 @@ def config(quick: bool) -> RunConfig:
 
 def calibrate(args) -> tuple[costmodel.LinkModel, pd.DataFrame, pd.DataFrame]:
     """The link, its fit per size and the sweep's repeats (per repeat, so the bootstrap resamples them too)."""
-    # quick mode still needs messages up to 16 MiB: below that the per-byte cost drowns in noise, and a fit
-    # that finds none (beta <= 0) stops the script
     sizes, repeats = (QUICK_SWEEP_SIZES, QUICK_SWEEP_REPEATS) if args.quick else (SWEEP_SIZES, SWEEP_REPEATS)
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=sizes, repeats=repeats, per_repeat=True)
     link = costmodel.calibrate(sweep, "all_reduce", label="gloo loopback, calibrated at n=2")
-    # what an all-reduce costs beyond its price between compute: a synthetic job, not a validation point
-    busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
-    link = dataclasses.replace(link, busy_s=costmodel.calibrate_busy(2, link=link, rounds=busy_rounds))
-    common.note(f"{link.describe()}; busy_s {link.busy_s * 1e3:.2f} ms")
+    common.note(link.describe())
     return link, costmodel.fit_frame(sweep, link), sweep
 
 
-def link_text(link: costmodel.LinkModel) -> str:
-    """Alpha and bandwidth with their 90 % intervals, the fit's RMS error and the repeats dropped."""
+def measure_rounds(link: costmodel.LinkModel, rounds: int, quick: bool,
+                   measure_one: Callable[[], pd.DataFrame]) -> tuple[pd.DataFrame, dict[int, costmodel.LinkModel]]:
+    """``rounds`` rounds of ``measure_one()`` (one round of runs), each after its own ``busy_s``: the link per round.
+
+    ``busy_s`` is the excess over the all-reduce timed alone in the same synthetic job, not over the link's
+    price: a fit that misses a 64 KiB all-reduce (alpha 1136 us at a fit RMS of 61 % once) would leave ~0 ms."""
+    frames, links = [], {}
+    for r in range(rounds):
+        busy = costmodel.calibrate_busy(2, rounds=3 if quick else costmodel.BUSY_ROUNDS)
+        links[r] = dataclasses.replace(link, busy_s=busy)
+        frames.append(measure_one().assign(round=r))
+        common.note(f"round {r + 1}/{rounds} done, busy_s {busy * 1e3:.2f} ms")
+    return pd.concat(frames, ignore_index=True), links
+
+
+def link_text(link: costmodel.LinkModel, busy_s: list[float]) -> str:
+    """Alpha and bandwidth with their 90 % intervals, the fit's RMS error, the repeats dropped, busy_s per round."""
     (a_lo, a_hi), (b_lo, b_hi) = link.alpha_range_s, link.bandwidth_range_gbps
     return (f"link alpha {link.alpha_s * 1e6:.0f} us [{a_lo * 1e6:.0f}-{a_hi * 1e6:.0f}], "
             f"{link.bandwidth_gbps:.2f} GB/s [{b_lo:.2f}-{b_hi:.2f}] ({link.spread_method}), fit RMS "
             f"{link.fit_rel_rms:.1%} over {link.points} sizes, {link.dropped}/{link.repeats} repeats dropped, "
-            f"busy_s {link.busy_s * 1e3:.2f} ms")
+            f"busy_s per round {'/'.join(f'{b * 1e3:.2f}' for b in busy_s)} ms")
 
 
 def point_text(row) -> str:
@@ -100,16 +116,19 @@ def main() -> None:
     link, fit, sweep = calibrate(args)
     cfg = config(args.quick)
     caps = QUICK_BUCKET_CAPS_MB if args.quick else BUCKET_CAPS_MB
-    runs = costmodel.measure(cfg, WORLD_SIZES, rounds=common.repeats(args, full=5, quick=1), bucket_caps_mb=caps,
-                             log=common.note)
-    df = costmodel.validate(link, runs)
+    runs, links = measure_rounds(link, common.repeats(args, full=5, quick=1), args.quick,
+                                 lambda: costmodel.measure(cfg, WORLD_SIZES, rounds=1, bucket_caps_mb=caps))
+    df = costmodel.validate_rounds(costmodel.validate, links, runs)
     df["overhead_s_per_byte"] = [costmodel.overhead_from(runs, cap) for cap in df["bucket_cap_mb"]]
+    busy = [lk.busy_s for lk in links.values()]
     ok, reason = netns.available()
     if ok:
-        link_runs = costmodel.measure_links(cfg.replace(tier_options=ddp.Options(bucket_cap_mb=caps[0])),
-                                            QUICK_LINK_CAPS_MBIT if args.quick else LINK_CAPS_MBIT,
-                                            rounds=common.repeats(args, full=3, quick=1), log=common.note)
-        linked = costmodel.validate_links(link, link_runs)
+        link_cfg = cfg.replace(tier_options=ddp.Options(bucket_cap_mb=caps[0]))
+        mbits = QUICK_LINK_CAPS_MBIT if args.quick else LINK_CAPS_MBIT
+        link_runs, capped_links = measure_rounds(link, common.repeats(args, full=3, quick=1), args.quick,
+                                                 lambda: costmodel.measure_links(link_cfg, mbits, rounds=1))
+        busy += [lk.busy_s for lk in capped_links.values()]
+        linked = costmodel.validate_rounds(costmodel.validate_links, capped_links, link_runs)
         linked["overhead_s_per_byte"] = costmodel.overhead_from(link_runs, caps[0])
         df = pd.concat([df.assign(link_mbit=float("nan")), linked], ignore_index=True)
         runs = pd.concat([runs, link_runs.assign(source="simulated hosts")], ignore_index=True)
@@ -129,7 +148,7 @@ def main() -> None:
     s = costmodel.summary(df)
     overheads = ", ".join(f"{g * 1e9:.2f}" for g in df.drop_duplicates("bucket_cap_mb")["overhead_s_per_byte"])
     setup = (f"MLP {cfg.model_size}x{cfg.model_depth}, batch {cfg.global_batch_size}, bucket caps "
-             f"{'/'.join(f'{c:g}' for c in caps)} MB; {link_text(link)}; DDP overhead {overheads} ns/B")
+             f"{'/'.join(f'{c:g}' for c in caps)} MB; {link_text(link, busy)}; DDP overhead {overheads} ns/B")
     points = "; ".join(point_text(row) for _, row in df.iterrows())
     common.result_line("costmodel.median_error", s["median_error"], f"<= {s['median_target']:g}", quick=args.quick,
                        passed=s["median_ok"], detail=f"{s['counted']} counted points: {points}")

@@ -9,13 +9,15 @@ World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
 Step time: one link per collective is calibrated on a sweep of that collective at
 world size 2 (``costmodel.calibrate_ops``: all_reduce, all_gather, reduce_scatter,
-broadcast), and what a collective costs beyond that price between a step's compute
-(``costmodel.with_busy``, after 5 ms and after 0.5 ms of compute, on a synthetic job of matrix
-products and all-reduces, never on a step point), then in each round every step point is predicted (its ranks' compute
+broadcast); then in each round what a collective costs beyond the same collective timed alone
+between a step's compute (``costmodel.with_busy``, after 5 ms and after 0.5 ms of compute, on a
+synthetic job of matrix products and all-reduces, never on a step point; measured again each
+round, as the machine's speed drifts), and every step point is predicted (its ranks' compute
 timed at once in child processes, for fsdp, tp and cp on the fake backend; the
 tier's communication on the links) and run unrecorded (the prediction is of
 training, not of dtlab's instrumentation), side by side, the rounds interleaved:
-a point's prediction and measurement are the medians over rounds. World size 4 is oversubscribed on 2
+a point's error is the median over rounds of each round's prediction against the same round's
+measurement (the table shows the medians of each). World size 4 is oversubscribed on 2
 cores: reported, not counted.
 
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
@@ -100,41 +102,58 @@ def step_points(quick: bool) -> dict[str, RunConfig]:
 
 
 def step_errors(args) -> None:
-    # quick: every third size, still from the latency-bound 1 KiB to the bandwidth-bound 4 MiB
-    sizes = collectives.CALIBRATION_SIZES[::3] if args.quick else collectives.CALIBRATION_SIZES
-    sweep = collectives.sweep(2, ops=LINK_OPS, sizes=sizes, repeats=2 if args.quick else 7, per_repeat=True)
+    sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if args.quick
+                      else (collectives.CALIBRATION_SIZES, 7))
+    sweep = collectives.sweep(2, ops=LINK_OPS, sizes=sizes, repeats=repeats, per_repeat=True)
     link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
     # a synthetic job (matrix products, then an all-reduce), never one of the points below
-    link = costmodel.with_busy(link, 2, rounds=3 if args.quick else costmodel.BUSY_ROUNDS)
-    print(link.describe(), f"\nbusy_s = {link.busy_s * 1e3:.2f} ms per collective after 5 ms of compute, "
-          f"{link.busy_short_s * 1e3:.2f} ms after 0.5 ms", flush=True)
+    busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
+    first = costmodel.with_busy(link, 2, rounds=busy_rounds)
+    print(first.describe(), f"\nbusy_s = {first.busy_s * 1e3:.2f} ms per collective after 5 ms of compute, "
+          f"{first.busy_short_s * 1e3:.2f} ms after 0.5 ms", flush=True)
+    links = {-1: first}  # the warm-up round's; each measured round measures its own, as it starts
+
+    def link_for(round_: int) -> costmodel.LinkSet:
+        if round_ not in links:
+            links[round_] = costmodel.with_busy(link, 2, rounds=busy_rounds)
+            print(f"round {round_ + 1}: busy_s {links[round_].busy_s * 1e3:.2f} ms, after 0.5 ms "
+                  f"{links[round_].busy_short_s * 1e3:.2f} ms", flush=True)
+        return links[round_]
+
     jobs = step_points(args.quick)
 
-    def side_by_side(cfg: RunConfig) -> dict[str, float]:
+    def side_by_side(cfg: RunConfig, round_: int) -> dict[str, float]:
         # predicted and measured in the same round: a shared machine's speed drifts between rounds
-        predicted = estimate(cfg, link).step_ms
+        predicted = estimate(cfg, link_for(round_)).step_ms
         return {"predicted_ms": predicted,
                 "step_ms": common.steady_step_s(run(cfg, progress=False, record=False)) * 1e3}
 
-    variants = {label: (lambda r, cfg=cfg: side_by_side(cfg)) for label, cfg in jobs.items()}
+    variants = {label: (lambda r, cfg=cfg: side_by_side(cfg, r)) for label, cfg in jobs.items()}
     rows = common.interleave(variants, common.repeats(args, 3), log=print)
     errors, out = {}, []
     for label in jobs:
-        measured = common.median(common.per_round(rows, label, "step_ms").values())
-        predicted = common.median(common.per_round(rows, label, "predicted_ms").values())
-        errors[label] = (predicted - measured) / measured
-        out.append({"point": label, "predicted_ms": predicted, "measured_ms": measured, "error": errors[label]})
-        print(f"  {label:32} predicted {predicted:8.2f} ms  measured {measured:8.2f} ms  "
+        measured, predicted = (common.per_round(rows, label, key) for key in ("step_ms", "predicted_ms"))
+        # each round's prediction against the same round's measurement, then the median over rounds
+        errors[label] = common.median((predicted[r] - measured[r]) / measured[r] for r in measured)
+        med_measured, med_predicted = common.median(measured.values()), common.median(predicted.values())
+        out.append({"point": label, "predicted_ms": med_predicted, "measured_ms": med_measured,
+                    "error": errors[label]})
+        print(f"  {label:32} predicted {med_predicted:8.2f} ms  measured {med_measured:8.2f} ms  "
               f"error {errors[label]:+.1%}", flush=True)
     counted = {k: abs(v) for k, v in errors.items() if "oversubscribed" not in k}
     median = common.median(counted.values())
     worst = max(counted, key=counted.get)
     common.result_line(f"{NAME}.step_median", median, "<= 0.15", quick=args.quick, passed=median <= 0.15,
-                       detail=f"{len(counted)} counted points; links: {link.label}; busy_s "
-                              f"{link.busy_s * 1e3:.2f} ms, after 0.5 ms {link.busy_short_s * 1e3:.2f} ms")
+                       detail=f"{len(counted)} counted points; links: {link.label}; busy_s per round "
+                              f"{busy_text(links, 'busy_s')} ms, after 0.5 ms {busy_text(links, 'busy_short_s')} ms")
     common.result_line(f"{NAME}.step_worst", counted[worst], "<= 0.30", quick=args.quick,
                        passed=counted[worst] <= 0.30, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
     common.write_csv(args.out / f"{NAME}_steps.csv", out)
+
+
+def busy_text(links: dict[int, costmodel.LinkSet], field: str) -> str:
+    """One busy figure of every measured round, in ms: ``1.97/0.76/...``."""
+    return "/".join(f"{getattr(links[r], field) * 1e3:.2f}" for r in sorted(links) if r >= 0)
 
 
 def main() -> None:

@@ -367,6 +367,31 @@ def test_validation_per_bucket_cap_uses_that_caps_overhead():
     assert df.loc[25.0, "label"] == "n=2, 1 bucket" and df.loc[0.004, "buckets"] == 3
 
 
+def test_validation_round_by_round_pairs_each_rounds_prediction_with_its_measurement():
+    """Round 1 runs on a machine twice as slow: each round is predicted from its own compute and busy_s and
+    scored against its own measurement; DDP's overhead comes from both rounds."""
+    slow = synthetic_runs(0.020)
+    for col in ("step_s", *PHASES):
+        slow[col] = slow[col] * 2
+    runs = pd.concat([synthetic_runs(0.020), slow.assign(round=1)], ignore_index=True)
+    link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
+    links = {0: link, 1: dataclasses.replace(link, busy_s=1e-3)}
+    df = cm.validate_rounds(cm.validate, links, runs, cores=2).set_index("world_size")
+    half = {k: v / 2 for k, v in PHASES.items()}
+    overhead = 0.0015  # (median 16.5 ms - median 15 ms) over 10000 gradient bytes, both rounds
+    predicted = [cm.predict_ddp_step({k: v * scale for k, v in half.items()}, [4000, 4000, 2000], links[r], 2,
+                                     overhead_s=overhead, overlap=False).step_s for r, scale in ((0, 1), (1, 2))]
+    errors = [predicted[0] / 0.020 - 1, predicted[1] / 0.040 - 1]
+    assert df.loc[2, "signed_error"] == pytest.approx(sum(errors) / 2)
+    assert df.loc[2, "error"] == pytest.approx(abs(sum(errors) / 2))
+    assert df.loc[2, "predicted_s"] == pytest.approx(sum(predicted) / 2)
+    assert df.loc[2, "measured_s"] == pytest.approx(0.030) and df.loc[2, "measured_spread_s"] == pytest.approx(0.020)
+    assert df.loc[2, "rounds"] == 2 and list(df.index) == [1, 2, 4]
+    assert cm.summary(df.reset_index())["counted"] == 2
+    with pytest.raises(ValueError, match=r"no link for round\(s\) \[1\]"):
+        cm.validate_rounds(cm.validate, {0: link}, runs, cores=2)
+
+
 def test_runs_read_back_from_csv_keep_typed_bucket_sizes(tmp_path):
     runs = synthetic_runs(0.020)
     path = tmp_path / "runs.csv"

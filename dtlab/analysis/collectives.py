@@ -42,6 +42,9 @@ DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(0, 8))  # 1 KiB ... 16 MiB
 # for an alpha-beta fit: 1 KiB ... 16 MiB a factor of 2 apart, 15 sizes on both sides of the latency-bandwidth
 # crossover (a few hundred KiB for gloo on loopback), so the small ones set alpha and the large ones beta
 CALIBRATION_SIZES = tuple(2 ** k * 1024 for k in range(0, 15))
+# a smoke-test calibration: few sizes, but still up to 16 MiB, where the per-byte cost stands out of a loaded
+# machine's noise (a sweep stopping at 4 MiB once fitted beta <= 0, which ends a calibration)
+QUICK_CALIBRATION_SIZES, QUICK_CALIBRATION_REPEATS = (4096, 65536, 1 << 20, 4 << 20, 16 << 20), 5
 POINT = ["op", "bytes", "group_size"]  # one sweep point: a message size of one op at one group size
 OUTLIER_MADS = 3.0  # a repeat more than this many scaled MADs slower than its point's median is dropped ...
 MAD_FLOOR = 0.02  # ... the scaled MAD counting as at least 2 % of the median: none within 6 % is ever dropped

@@ -80,7 +80,7 @@ The modules, one job each (every public name is re-exported here, so
   and whether a core is left for communication to overlap (``spare_cores``);
 * ``measure``: the code that starts runs (``measure``, ``measure_links``; the compute of n ranks timed
   in n copies at once, ``compute_together``) and checks the step model against them (``validate``,
-  ``validate_links``, ``summary``);
+  ``validate_links``, round by round ``validate_rounds``, ``summary``);
 * ``projection``: what-if world sizes and links (``project``, ``assumptions``).
 """
 
@@ -127,6 +127,7 @@ from dtlab.analysis.costmodel.measure import (
     summary_line,
     validate,
     validate_links,
+    validate_rounds,
 )
 from dtlab.analysis.costmodel.projection import (
     DEFAULT_BUCKET_BYTES,
@@ -156,5 +157,5 @@ __all__ = [
     "overhead_batch",
     "overhead_from", "predict_ddp_step", "project", "read_runs", "run_numbers", "spare_cores", "split_buckets",
     "summary",
-    "summary_line", "timeline_frame", "validate", "validate_links", "with_busy",
+    "summary_line", "timeline_frame", "validate", "validate_links", "validate_rounds", "with_busy",
 ]

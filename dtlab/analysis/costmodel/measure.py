@@ -31,7 +31,7 @@ from dtlab.train import run
 
 __all__ = ["MAX_TARGET", "MEDIAN_TARGET", "WARMUP_STEPS", "ddp_overhead", "measure", "measure_links",
            "overhead_batch", "overhead_from", "read_runs", "run_numbers", "summary", "summary_line", "validate",
-           "validate_links"]
+           "validate_links", "validate_rounds"]
 
 MEDIAN_TARGET, MAX_TARGET = 0.15, 0.30  # validation targets: median and worst relative error
 # More warm-up than RunResult.steady's default (1), on purpose: step 0 builds DDP's buckets and the next steps
@@ -150,21 +150,23 @@ def _measure_plan(cfg: Any, world_sizes: tuple[int, ...], caps: tuple[float, ...
     single = {"tier": "single", "world_size": 1}
     with_cap = {c: cfg.replace(tier_options=dataclasses.replace(cfg.tier_options, bucket_cap_mb=c)) for c in caps}
     batch = overhead_batch(cfg, world_sizes)
-    # each rank's threads, as the ddp run at n gets them
-    plan = [("compute", cfg.replace(**single, global_batch_size=cfg.global_batch_size // n,
-                                    threads_per_rank=cfg.threads_per_rank or shared_threads(n)), n)
-            for n in world_sizes]
-    plan += [("ddp", with_cap[c].replace(world_size=n), 1) for c in caps for n in world_sizes]
+    plan = []
+    for n in world_sizes:  # each point's ddp runs right after its compute: this machine's speed drifts within minutes
+        # each rank's threads, as the ddp run at n gets them
+        plan.append(("compute", cfg.replace(**single, global_batch_size=cfg.global_batch_size // n,
+                                            threads_per_rank=cfg.threads_per_rank or shared_threads(n)), n))
+        plan += [("ddp", with_cap[c].replace(world_size=n), 1) for c in caps]
     plan.append(("overhead_single", cfg.replace(**single, global_batch_size=batch), 1))
     plan += [("overhead_ddp", with_cap[c].replace(world_size=1, global_batch_size=batch), 1) for c in caps]
     return plan
 
 
 def _run(cfg: Any, warmup_steps: int, copies: int = 1) -> dict[str, Any]:
-    """One run's numbers; ``copies > 1``: the compute of one of ``copies`` ranks, timed while the others
-    run beside it (they share the cores, caches and memory bandwidth; ``compute_together``)."""
+    """One run's numbers, unrecorded (the model predicts training, not dtlab's instrumentation of it);
+    ``copies > 1``: the compute of one of ``copies`` ranks, timed while the others run beside it (they
+    share the cores, caches and memory bandwidth; ``compute_together``)."""
     if copies == 1:
-        return run_numbers(run(cfg, progress=False), warmup_steps)
+        return run_numbers(run(cfg, progress=False, record=False), warmup_steps)
     return compute_together(cfg, copies)
 
 
@@ -198,7 +200,7 @@ def measure_links(cfg: Any, caps_mbit: Sequence[float], rounds: int = 3, *, nnod
     multinode = linksweep.link_configs(cfg.replace(world_size=nnodes), caps_mbit, ("allreduce",), nnodes=nnodes)
     plan = [entry for entry in _measure_plan(cfg, (nnodes,), (cfg.tier_options.bucket_cap_mb,))
             if entry[0] != "ddp"]
-    plan += [("ddp", c, 1) for c in multinode]
+    plan[1:1] = [("ddp", c, 1) for c in multinode]  # right after the compute they are predicted from
     rows = []
     for r in range(rounds):
         for role, run_cfg, copies in plan:
@@ -232,13 +234,14 @@ def overhead_from(runs: pd.DataFrame, bucket_cap_mb: float | None = None) -> flo
 
 
 def validate(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = None,
-             overhead_s_per_byte: float | None = None) -> pd.DataFrame:
+             overhead_s_per_byte: float | None = None, overhead_runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """Predicted against measured DDP step time, one row per (world size, bucket cap) in ``measure``'s frame.
 
     Each prediction uses only the ``single`` run at that point's per-rank batch
     (its compute), the ddp run's bucket sizes (a layout, not a time), the link
     and DDP's overhead measured at world size 1 on another batch (or
-    ``overhead_s_per_byte``); the measured DDP times are never used to predict.
+    ``overhead_s_per_byte``; from ``overhead_runs`` where given, e.g. every round
+    while ``runs`` is one); the measured DDP times are never used to predict.
     A point with more threads than ``cores`` (default: this machine's) is
     marked oversubscribed: the model assumes each rank has its own cores, so it
     is reported but not counted. Columns: label, world_size, bucket_cap_mb,
@@ -255,7 +258,8 @@ def validate(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = None,
     rows = []
     for cap in pd.unique(caps):
         cap = None if pd.isna(cap) else float(cap)
-        gamma = overhead_from(runs, cap) if overhead_s_per_byte is None else float(overhead_s_per_byte)
+        gamma = (overhead_from(runs if overhead_runs is None else overhead_runs, cap)
+                 if overhead_s_per_byte is None else float(overhead_s_per_byte))
         for n in sorted(set(ddp.loc[_same_cap(ddp, cap), "world_size"])):
             rows.append(_validation_row(link, runs, int(n), cap, gamma, cores))
     return pd.DataFrame(rows)
@@ -288,7 +292,8 @@ def _validation_row(link: LinkModel, runs: pd.DataFrame, n: int, cap: float | No
             "measured_spread_s": float(ddp["step_s"].max() - ddp["step_s"].min())}
 
 
-def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = None) -> pd.DataFrame:
+def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = None,
+                   overhead_runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """``validate`` for ``measure_links``' frame: each cap predicted with ``capped(link, cap)``.
 
     The link is the loopback calibration; the cap enters only through ``capped``
@@ -301,7 +306,7 @@ def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = N
         raise ValueError("validate_links: the runs frame has no multinode (ddp) rows")
     cores = cores or os.cpu_count() or 1
     cap_mb = float(ddp["bucket_cap_mb"].iloc[0])
-    gamma = overhead_from(runs, cap_mb)
+    gamma = overhead_from(runs if overhead_runs is None else overhead_runs, cap_mb)
     rows = []
     for mbit in sorted(ddp["link_mbit"].unique(), reverse=True):
         keep = (runs["role"] != "ddp") | (runs["link_mbit"] == mbit)
@@ -311,6 +316,33 @@ def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = N
                                                                            else "")
         rows.append({**row, "label": label, "link_mbit": float(mbit)})
     return pd.DataFrame(rows)
+
+
+_ROUND_MEDIANS = ("predicted_s", "measured_s", "signed_error", "compute_s", "comm_s", "exposed_comm_s",
+                  "overhead_s")
+
+
+def validate_rounds(check: Callable[..., pd.DataFrame], links: Mapping[int, LinkModel], runs: pd.DataFrame,
+                    **kwargs: Any) -> pd.DataFrame:
+    """``check`` (``validate`` or ``validate_links``) round by round: each round's runs predicted with that
+    round's link (``links[round]``, e.g. its own ``busy_s``), DDP's overhead from every round. A point's
+    predicted_s, measured_s and signed_error are then the medians over rounds, the error of each round
+    being its prediction against the same round's measurement: a machine whose speed drifts from round to
+    round moves both. ``error`` is the median's magnitude, ``rounds`` how many rounds had the point."""
+    if "round" not in runs.columns or runs.empty:
+        raise ValueError("validate_rounds: the runs need a round column: make them with costmodel.measure")
+    missing = sorted(set(runs["round"]) - set(links))
+    if missing:
+        raise ValueError(f"validate_rounds: no link for round(s) {missing}")
+    per = pd.concat([check(links[r], runs[runs["round"] == r], overhead_runs=runs, **kwargs)
+                     for r in sorted(runs["round"].unique())], ignore_index=True)
+    by_point = per.groupby("label", sort=False)
+    out = by_point.first()
+    out[list(_ROUND_MEDIANS)] = by_point[list(_ROUND_MEDIANS)].median()
+    out["error"] = out["signed_error"].abs()
+    out["rounds"] = by_point.size()
+    out["measured_spread_s"] = by_point["measured_s"].max() - by_point["measured_s"].min()
+    return out.reset_index()
 
 
 def summary(df: pd.DataFrame, median_target: float = MEDIAN_TARGET, max_target: float = MAX_TARGET) -> dict[str, Any]:
