@@ -108,16 +108,15 @@ def step_errors(args) -> None:
     link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
     # a synthetic job (matrix products, then an all-reduce), never one of the points below
     busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
-    first = costmodel.with_busy(link, 2, rounds=busy_rounds)
-    print(first.describe(), f"\nbusy_s = {first.busy_s * 1e3:.2f} ms per collective after 5 ms of compute, "
-          f"{first.busy_short_s * 1e3:.2f} ms after 0.5 ms", flush=True)
-    links = {-1: first}  # the warm-up round's; each measured round measures its own, as it starts
+    print(link.describe(), flush=True)
+    links: dict[int, costmodel.LinkSet] = {}  # per round (-1: the warm-up), measured as the round starts
 
     def link_for(round_: int) -> costmodel.LinkSet:
         if round_ not in links:
             links[round_] = costmodel.with_busy(link, 2, rounds=busy_rounds)
-            print(f"round {round_ + 1}: busy_s {links[round_].busy_s * 1e3:.2f} ms, after 0.5 ms "
-                  f"{links[round_].busy_short_s * 1e3:.2f} ms", flush=True)
+            what = "warm-up round" if round_ < 0 else f"round {round_ + 1}"
+            print(f"{what}: busy_s {links[round_].busy_s * 1e3:.2f} ms per collective after 5 ms of "
+                  f"compute, {links[round_].busy_short_s * 1e3:.2f} ms after 0.5 ms", flush=True)
         return links[round_]
 
     jobs = step_points(args.quick)

@@ -113,15 +113,14 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
     return max(0.0, statistics.median(excess))
 
 
-def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = None, nbytes: int = 64 * 1024,
-                   compute_s: float = BUSY_COMPUTE_S, rounds: int = BUSY_ROUNDS, iterations: int = 20,
-                   threads: int | None = None, **launch_kwargs: Any) -> float:
-    """Seconds a collective costs in a busy step beyond the link's price (``busy_excess`` of a synthetic job
-    at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with ``threads``
-    torch threads per rank (default: the cores shared out, as ``RunConfig`` does). With ``link`` (a
-    ``LinkModel`` or ``LinkSet``) the excess is over that link's price for the all-reduce, the price the
-    estimate adds it to; without, over the all-reduce timed alone in the same job. About 8 s at the
-    default ``rounds``."""
+def calibrate_busy(world_size: int = 2, *, nbytes: int = 64 * 1024, compute_s: float = BUSY_COMPUTE_S,
+                   rounds: int = BUSY_ROUNDS, iterations: int = 20, threads: int | None = None,
+                   **launch_kwargs: Any) -> float:
+    """Seconds a collective costs in a busy step beyond the same collective timed alone (``busy_excess`` of a
+    synthetic job at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with
+    ``threads`` torch threads per rank (default: the cores shared out, as ``RunConfig`` does). Not over a
+    link's price: a fit that misses the all-reduce would leave its miss here (see ``with_busy``). About 8 s
+    at the default ``rounds``."""
     if world_size < 2:
         raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
     threads = threads or shared_threads(world_size)
@@ -133,8 +132,7 @@ def calibrate_busy(world_size: int = 2, *, link: LinkModel | LinkSet | None = No
     launch_kwargs.setdefault("record", False)  # as an unrecorded training run: no wrapper around the all-reduce
     per_rank = launch(busy_rank, world_size, args=(nbytes, compute_s, rounds, iterations, threads), progress=False,
                       **launch_kwargs)
-    price = None if link is None else float(link.predict("all_reduce", nbytes, world_size))
-    return busy_excess([row for rows in per_rank for row in rows], price)
+    return busy_excess([row for rows in per_rank for row in rows])
 
 
 def with_busy(link: LinkModel | LinkSet, world_size: int = 2, **kwargs: Any) -> LinkModel | LinkSet:
