@@ -7,9 +7,10 @@ rank of each repeat counting, repeats more than 3 MADs slower than their
 size's median dropped, the median of the rest fitted robustly, and a 90 %
 bootstrap interval for alpha and the bandwidth (``costmodel.calibrate``), each
 rank on one thread as the training ranks. Then, round after round, it measures
-``busy_s``, what an all-reduce costs beyond the same all-reduce timed alone
-when it follows 5 ms of compute (``costmodel.calibrate_busy``, a synthetic job of
-matrix products and all-reduces), and runs every point, interleaved: it predicts
+``busy_s``, what an all-reduce costs beyond the link's price for it when it
+follows 5 ms of compute (``costmodel.calibrate_busy``, a synthetic job of
+matrix products and all-reduces; the mean iteration, so the slow wake-ups a
+sweep's fit leaves out are in it), and runs every point, interleaved: it predicts
 the DDP step of an MLP (width 1024, depth 3, 8.3 MiB of gradients) from
 ``single`` runs at each point's per-rank batch, timed in n copies at once as the
 n ranks share the machine, the buckets DDP built, that round's ``busy_s`` and
@@ -82,11 +83,14 @@ def measure_rounds(link: costmodel.LinkModel, rounds: int, quick: bool,
                    measure_one: Callable[[], pd.DataFrame]) -> tuple[pd.DataFrame, dict[int, costmodel.LinkModel]]:
     """``rounds`` rounds of ``measure_one()`` (one round of runs), each after its own ``busy_s``: the link per round.
 
-    ``busy_s`` is the excess over the all-reduce timed alone in the same synthetic job, not over the link's
-    price: a fit that misses a 64 KiB all-reduce (alpha 1136 us at a fit RMS of 61 % once) would leave ~0 ms."""
+    ``busy_s`` is the excess over the link's price of the synthetic job's 64 KiB all-reduce, the mean of its
+    iterations: price + busy_s is what that all-reduce costs after compute, its slow wake-ups included, which
+    the fit (on the fast calls) leaves out. Not cut at zero: where the fit overprices it (alpha 1136 us at a
+    fit RMS of 61 % once), the excess takes the overshoot back."""
     frames, links = [], {}
+    price = link.predict("all_reduce", 64 * 1024, 2)
     for r in range(rounds):
-        busy = costmodel.calibrate_busy(2, rounds=3 if quick else costmodel.BUSY_ROUNDS)
+        busy = costmodel.calibrate_busy(2, rounds=3 if quick else costmodel.BUSY_ROUNDS, price_s=price)
         links[r] = dataclasses.replace(link, busy_s=busy)
         frames.append(measure_one().assign(round=r))
         common.note(f"round {r + 1}/{rounds} done, busy_s {busy * 1e3:.2f} ms")

@@ -534,7 +534,9 @@ def test_busy_excess_is_the_median_round_of_both_minus_its_parts():
     # per round, each mode's slowest rank (rank 1): 9 - 6 - 2 = 1 ms, 2 ms, 13 ms; the median round: 2 ms
     assert cm.busy_excess(rows) == pytest.approx(2e-3)
     assert cm.busy_excess(rows, collective_s=0.5e-3) == pytest.approx(3.5e-3)  # a link's price in its place
-    assert cm.busy_excess(_busy_rows([(5e-3, 1e-3, 6e-3)])) == 0.0  # never below zero
+    assert cm.busy_excess(_busy_rows([(5e-3, 1e-3, 6e-3)])) == 0.0  # over the timed all-reduce: never below zero
+    # over a price that overshoots the all-reduce, the excess takes the overshoot back: 7 - 6 - 3 = -2 ms
+    assert cm.busy_excess(_busy_rows([(5e-3, 1e-3, 6e-3)]), collective_s=3e-3) == pytest.approx(-2e-3)
     with pytest.raises(ValueError, match="every round needs the modes"):
         cm.busy_excess([r for r in rows if r["mode"] != "both"])
 
@@ -564,6 +566,12 @@ def test_calibrate_busy_names_a_bad_argument_before_starting_anything():
 def test_calibrate_busy_measures_a_launched_job(no_survivors):
     busy = cm.calibrate_busy(2, rounds=2, iterations=5, compute_s=1e-3)
     assert math.isfinite(busy) and 0.0 <= busy < 0.5
-    link = cm.with_busy(cm.LinkModel.from_bandwidth(1000, 50e-6), 2, rounds=2, iterations=5)
-    assert all(math.isfinite(v) and 0.0 <= v < 0.5 for v in (link.busy_s, link.busy_short_s))
-    assert link.alpha_s == 50e-6  # the price is kept; only the busy figures are measured
+    # a near-free price: the excess over it is about the all-reduce's whole cost in the synthetic step
+    link = cm.with_busy(cm.LinkModel.from_bandwidth(1e6, 1e-6), 2, rounds=2, iterations=5)
+    assert all(math.isfinite(v) and -1e-3 < v < 0.5 for v in (link.busy_s, link.busy_short_s))
+    assert link.alpha_s == 1e-6  # the price is kept; only the busy figures are measured
+    # a link that prices the all-reduce at 1 s: the excess takes the overshoot back, price + excess stays the
+    # all-reduce's cost in the synthetic step (well under a second)
+    dear = cm.with_busy(cm.LinkModel.from_bandwidth(1000, 1.0), 2, rounds=2, iterations=5)
+    in_step = dear.predict("all_reduce", 64 * 1024, 2) + dear.busy_short_s
+    assert dear.busy_s < -0.5 and 0.0 < in_step < 0.5

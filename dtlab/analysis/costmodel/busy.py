@@ -7,11 +7,19 @@ ranks keep busy. On this 2-core machine a 64 KiB all-reduce between ~5 ms of mat
 0 to 3.8 ms more than the same products plus the all-reduce's price (gloo, world 2), depending on
 the run and the machine's load: calibrate it in the session it is used in.
 
+A small gloo collective here is also bimodal: it takes about 0.5 ms, or 2-3 ms more when a rank's
+sleeping thread has to be woken (in one 7-repeat sweep, 2026-12-04, 14-71 % of the calls per size up to
+1 MiB were slow). A sweep's fit drops the slow calls as outliers and prices the fast mode; a step that
+makes ten collectives pays the mean. So each mode's time in a round is the mean of its iterations, and
+``with_busy`` takes the excess over the link's *price* of the same all-reduce: price + excess is then
+what that all-reduce costs in a busy step, the wake-ups included.
+
 ``calibrate_busy`` measures that excess on a synthetic job, never on a training run: each rank
 alternates a fixed amount of compute with one all-reduce (``both``), and the same job also times the
 compute alone and the all-reduce alone, in shuffled rounds. The excess per collective is
-``both - compute - collective`` per round (each the slowest rank's median iteration), and the
-result is the median over rounds, never below zero. ``LinkModel.busy_s`` and ``LinkSet.busy_s`` carry
+``both - compute - collective`` per round (each the slowest rank's mean iteration; ``collective`` the
+all-reduce timed alone, or a price given in its place), and the result is the median over rounds.
+``LinkModel.busy_s`` and ``LinkSet.busy_s`` carry
 it; ``dtlab.analysis.estimate`` adds it once per collective the training thread blocks on. The excess
 grows with the work before the meeting, so ``with_busy`` measures it after 5 ms and after 0.5 ms
 (``busy_short_s``), and ``busy_at`` gives it for the work in between, as FSDP's close collectives pay it.
@@ -63,7 +71,7 @@ def _compute_kernels(target_s: float) -> int:
 def busy_rank(info: Any, nbytes: int, compute_s: float, rounds: int, iterations: int,
               threads: int) -> list[dict[str, Any]]:
     """Run on every rank (``dtlab.launch(busy_rank, n, args=...)``): each round times every mode's
-    ``iterations`` in a shuffled order; a row per (round, mode) with this rank's median iteration."""
+    ``iterations`` in a shuffled order; a row per (round, mode) with this rank's mean iteration."""
     torch.set_num_threads(threads)  # as a training rank: more threads than cores would time the oversubscription
     kernels = torch.tensor([_compute_kernels(compute_s)])
     dist.broadcast(kernels, src=0)  # every rank does the same work
@@ -92,14 +100,17 @@ def busy_rank(info: Any, nbytes: int, compute_s: float, rounds: int, iterations:
                 t0 = time.perf_counter()
                 modes[mode]()
                 times.append(time.perf_counter() - t0)
-            rows.append({"rank": info.rank, "round": rnd, "mode": mode, "seconds": statistics.median(times)})
+            # the mean: a step pays every slow wake-up of its collectives, which a median would leave out
+            rows.append({"rank": info.rank, "round": rnd, "mode": mode, "seconds": statistics.fmean(times)})
     return rows
 
 
 def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = None) -> float:
     """Seconds per collective beyond compute + collective timed apart: per round, each mode's slowest rank,
-    ``both - compute - collective``; the median over rounds, never below zero. ``collective_s`` (a link's
-    price for the all-reduce) stands in for the timed ``collective`` when given."""
+    ``both - compute - collective``; the median over rounds. Over the ``collective`` timed alone it is never
+    below zero. ``collective_s`` (a link's price for the all-reduce) stands in for the timed ``collective``
+    when given, and then the excess may be negative: where the fit overprices the all-reduce, price + excess
+    is still what it costs in the step."""
     slowest: dict[tuple[int, str], float] = {}
     for row in rows:
         key = (row["round"], row["mode"])
@@ -108,19 +119,19 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
     missing = [(rnd, m) for rnd in rounds for m in BUSY_MODES if (rnd, m) not in slowest]
     if not rounds or missing:
         raise ValueError(f"busy_excess: every round needs the modes {BUSY_MODES}; missing {missing or 'all'}")
-    excess = [slowest[r, "both"] - slowest[r, "compute"]
-              - (slowest[r, "collective"] if collective_s is None else collective_s) for r in rounds]
-    return max(0.0, statistics.median(excess))
+    excess = statistics.median(slowest[r, "both"] - slowest[r, "compute"]
+                               - (slowest[r, "collective"] if collective_s is None else collective_s) for r in rounds)
+    return max(0.0, excess) if collective_s is None else excess
 
 
 def calibrate_busy(world_size: int = 2, *, nbytes: int = 64 * 1024, compute_s: float = BUSY_COMPUTE_S,
                    rounds: int = BUSY_ROUNDS, iterations: int = 20, threads: int | None = None,
-                   **launch_kwargs: Any) -> float:
+                   price_s: float | None = None, **launch_kwargs: Any) -> float:
     """Seconds a collective costs in a busy step beyond the same collective timed alone (``busy_excess`` of a
     synthetic job at ``world_size``: ``compute_s`` of matrix products, then a ``nbytes`` all-reduce), with
-    ``threads`` torch threads per rank (default: the cores shared out, as ``RunConfig`` does). Not over a
-    link's price: a fit that misses the all-reduce would leave its miss here (see ``with_busy``). About 8 s
-    at the default ``rounds``."""
+    ``threads`` torch threads per rank (default: the cores shared out, as ``RunConfig`` does); with
+    ``price_s`` (a link's price for that all-reduce), the excess over the price instead, which may be
+    negative (``busy_excess``). About 8 s at the default ``rounds``."""
     if world_size < 2:
         raise ValueError(f"world_size={world_size} is invalid: a collective needs at least 2 ranks")
     threads = threads or shared_threads(world_size)
@@ -132,18 +143,22 @@ def calibrate_busy(world_size: int = 2, *, nbytes: int = 64 * 1024, compute_s: f
     launch_kwargs.setdefault("record", False)  # as an unrecorded training run: no wrapper around the all-reduce
     per_rank = launch(busy_rank, world_size, args=(nbytes, compute_s, rounds, iterations, threads), progress=False,
                       **launch_kwargs)
-    return busy_excess([row for rows in per_rank for row in rows])
+    return busy_excess([row for rows in per_rank for row in rows], collective_s=price_s)
 
 
-def with_busy(link: LinkModel | LinkSet, world_size: int = 2, **kwargs: Any) -> LinkModel | LinkSet:
+def with_busy(link: LinkModel | LinkSet, world_size: int = 2, *, nbytes: int = 64 * 1024,
+              **kwargs: Any) -> LinkModel | LinkSet:
     """``link`` with both busy figures: ``busy_s`` after ``BUSY_COMPUTE_S`` of compute, ``busy_short_s`` after
     ``BUSY_SHORT_COMPUTE_S`` (``calibrate_busy`` twice; its keywords apply). Each is the excess over the
-    all-reduce timed alone in the same job, not over the link's price: a link's fit can miss a 64 KiB
-    all-reduce by more than the excess (an all_reduce alpha of 1223 us, fit RMS 100 %, once left 0 ms), and
-    every op's price would inherit that miss."""
+    link's own price for the synthetic all-reduce, so that price + excess is what the all-reduce costs in a
+    busy step, its slow wake-ups included: the fit prices the fast mode (see the module's doc). Where the
+    fit overprices it (an all_reduce alpha of 1223 us, fit RMS 100 %, was seen), the excess comes out
+    negative and takes the overshoot back, instead of being cut at zero."""
+    price = link.predict("all_reduce", nbytes, world_size)
     return dataclasses.replace(
-        link, busy_s=calibrate_busy(world_size, compute_s=BUSY_COMPUTE_S, **kwargs),
-        busy_short_s=calibrate_busy(world_size, compute_s=BUSY_SHORT_COMPUTE_S, **kwargs))
+        link, busy_s=calibrate_busy(world_size, nbytes=nbytes, compute_s=BUSY_COMPUTE_S, price_s=price, **kwargs),
+        busy_short_s=calibrate_busy(world_size, nbytes=nbytes, compute_s=BUSY_SHORT_COMPUTE_S, price_s=price,
+                                    **kwargs))
 
 
 def busy_at(link: LinkModel | LinkSet, compute_s: float) -> float:

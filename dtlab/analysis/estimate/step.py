@@ -7,8 +7,9 @@ is in the prediction too (``probe.loop_phases``; the pipeline's stages are timed
 The link is an alpha-beta ``LinkModel`` (``dtlab.analysis.costmodel``): calibrated
 on a collectives sweep, or built from a bandwidth and latency for a what-if; or a
 ``LinkSet``, one link per collective, each calibrated on that collective's sweep. Its
-``busy_s`` (``costmodel.calibrate_busy``; 0 unless measured) is what a collective costs beyond its
-price when the ranks compute between collectives: each one the training thread blocks on adds it.
+``busy_s`` (``costmodel.with_busy``; 0 unless measured) is what a collective costs beyond its
+price when the ranks compute between collectives, its slow wake-ups included (the sweep's fit prices
+the fast mode; negative where the fit overprices): each one the training thread blocks on adds it.
 Per tier:
 
 * ``single``: data + forward + backward + optimizer, the single tier's loop timed.
@@ -30,8 +31,8 @@ Per tier:
   and every collective rank 0 called in a steady step is priced on the link and added, all of it
   exposed: on CPU these tiers run their collectives in the training thread. Each one also pays the
   busy excess for the work between them (``costmodel.busy_at`` of the step's work over its collectives:
-  FSDP's many collectives, close together, each pay less than DDP's single wait), except cp's
-  point-to-point ring, which overlaps the attention block it feeds.
+  FSDP's many collectives, close together, each pay less than DDP's single wait), cp's ring hops
+  too: each is waited on before the attention block it feeds.
 * ``pipeline``: per stage and micro-batch, forward + backward + its transfers; GPipe
   and 1F1B take (M - 1) x the slowest stage + the sum of the stages (the bubble is the
   same for both), ``naive`` takes M x the sum.
@@ -72,8 +73,8 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
              f"process(es) at once, as the job's ranks share this machine, each running dtlab's loop (the single "
              f"tier at a rank's batch, or the tier itself on the fake backend); link: {link.label}"]
     if link.busy_s:
-        notes.append(f"each collective the training thread blocks on: {link.busy_s * 1e3:.3g} ms more than its "
-                     "price (busy_s, measured between compute on this machine)")
+        notes.append(f"each collective the training thread blocks on: its price {link.busy_s * 1e3:+.3g} ms (busy_s, "
+                     "measured between compute on this machine, slow wake-ups included)")
     if cfg.tier == "pipeline":
         return pipelined(cfg, link, notes)
     if cfg.tier in PROBED_TIERS and n > 1:
@@ -112,8 +113,10 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
     """Rank 0 on the fake backend (``probe``): its step with free collectives, plus each collective it called,
     priced on the link; all exposed (on CPU, FSDP2's and DTensor's collectives run in the training thread)."""
     measured = probe.probe(cfg)
-    # a point-to-point exchange (cp's ring) overlaps the block it feeds: no wait between compute is added
-    waits = [c for c in measured.collectives if probe.link_op(c[0]) not in (None, "send_recv")]
+    # every priced exchange is waited on, cp's ring hops too (``_InFlight.wait``): on CPU the transfer takes
+    # the cores the next block would need, so it hides neither its price nor the meeting (five runs priced cp
+    # 16-26 % low when its hops paid no busy excess, 2026-12-04)
+    waits = [c for c in measured.collectives if probe.link_op(c[0]) is not None]
     # the ranks meet at each wait, so each one's lead grows only over the work since the last
     busy = busy_at(link, measured.step_s / len(waits)) if waits else 0.0
     comm, unpriced = 0.0, set()
@@ -130,7 +133,7 @@ def probed(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tuple
                  "all exposed")
     if busy:
         notes.append(f"{len(waits)} waits, {measured.step_s / len(waits) * 1e3:.3g} ms of work apart: "
-                     f"{busy * 1e3:.3g} ms each beyond the price (costmodel.busy_at)")
+                     f"{busy * 1e3:+.3g} ms each on the price (costmodel.busy_at)")
     if unpriced:
         notes.append(f"not priced (no link rule): {', '.join(sorted(unpriced))}")
     return measured.step_s + comm, notes
