@@ -9,16 +9,18 @@ World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
 Step time: one link per collective is calibrated on a sweep of that collective at
 world size 2 (``costmodel.calibrate_ops``: all_reduce, all_gather, reduce_scatter,
-broadcast); then in each round what a collective costs beyond the same collective timed alone
-between a step's compute (``costmodel.with_busy``, after 5 ms and after 0.5 ms of compute, on a
-synthetic job of matrix products and all-reduces, never on a step point; measured again each
-round, as the machine's speed drifts), and every step point is predicted (its ranks' compute
-timed at once in child processes, for fsdp, tp and cp on the fake backend; the
-tier's communication on the links) and run unrecorded (the prediction is of
+broadcast); then in each round what a collective costs beyond the link's price for it
+between a step's compute, slow wake-ups included (``costmodel.with_busy``, after 5 ms and after
+0.5 ms of compute, on a synthetic job of matrix products and all-reduces, never on a step point;
+measured again each round, as the machine's speed drifts), and every step point is predicted (its
+ranks' compute timed at once in child processes, for fsdp, tp, fsdp-tp and cp on the fake backend;
+the tier's communication on the links) and run unrecorded (the prediction is of
 training, not of dtlab's instrumentation), side by side, the rounds interleaved:
 a point's error is the median over rounds of each round's prediction against the same round's
-measurement (the table shows the medians of each). World size 4 is oversubscribed on 2
-cores: reported, not counted.
+measurement (the table shows the medians of each). The step points: single, ddp, zero, fsdp at
+world 1 and 2, GPipe, 1F1B and tp on the mlp (width 512, depth 4); ddp on the cnn; single, ddp
+with and without activation checkpointing, fsdp, tp and cp on the charformer. World size 4 (ddp
+on the mlp, fsdp-tp 2 x 2 on the charformer) is oversubscribed on 2 cores: reported, not counted.
 
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
 (target <= 0.15), ``estimate_error.step_median`` (target <= 0.15) and
@@ -88,17 +90,22 @@ def step_points(quick: bool) -> dict[str, RunConfig]:
     if quick:
         return {"ddp w2 mlp512": base.replace(tier="ddp", world_size=2)}
     char = base.replace(model="charformer", dataset="text", model_size=64, model_depth=2, global_batch_size=32)
+    cnn = base.replace(model="cnn", model_size=16)
     return {"single mlp512": base, "ddp w2 mlp512": base.replace(tier="ddp", world_size=2),
             "zero w2 mlp512": base.replace(tier="zero", world_size=2),
+            "fsdp w1 mlp512": base.replace(tier="fsdp", world_size=1),
             "fsdp w2 mlp512": base.replace(tier="fsdp", world_size=2),
             "pipeline gpipe w2 mlp512": base.replace(tier="pipeline", world_size=2, tier_options=pipe["gpipe"]),
             "pipeline 1f1b w2 mlp512": base.replace(tier="pipeline", world_size=2, tier_options=pipe["1f1b"]),
             "ddp w4 mlp512 (oversubscribed)": base.replace(tier="ddp", world_size=4),
+            "ddp w2 cnn": cnn.replace(tier="ddp", world_size=2),
             "single charformer": char, "ddp w2 charformer": char.replace(tier="ddp", world_size=2),
+            "ddp w2 charformer +AC": char.replace(tier="ddp", world_size=2, activation_checkpointing=True),
             "fsdp w2 charformer": char.replace(tier="fsdp", world_size=2),
             "tp w2 mlp512": base.replace(tier="tp", world_size=2),
             "tp w2 charformer": char.replace(tier="tp", world_size=2),
-            "cp w2 charformer": char.replace(tier="cp", world_size=2)}
+            "cp w2 charformer": char.replace(tier="cp", world_size=2),
+            "fsdp-tp w4 (2x2) charformer (oversubscribed)": char.replace(tier="fsdp-tp", world_size=4)}
 
 
 def step_errors(args) -> None:

@@ -168,6 +168,21 @@ def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkey
     assert extra_ms(zero.replace(tier="ddp")) == -extra_ms_with(zero.replace(tier="ddp"), -0.01)
 
 
+def test_a_probed_tier_at_world_one_is_its_own_probe_with_nothing_to_pay(monkeypatch):
+    """FSDP2 at world 1 still wraps and copies (its probe's step, not the single tier's loop), and its group of
+    one moves nothing and waits for no one."""
+    import dataclasses
+
+    from dtlab.analysis.costmodel.links import LinkModel
+    from dtlab.analysis.estimate import probe
+
+    alone = [("all_gather_into_tensor", 4096, 1), ("reduce_scatter_tensor", 4096, 1)]
+    monkeypatch.setattr(probe, "probe", lambda cfg: probe.Probe(0.0123, {}, alone))
+    link = dataclasses.replace(LinkModel.from_bandwidth(1000, 50e-6), busy_s=0.01, busy_short_s=0.001)
+    est = estimate(RunConfig(tier="fsdp", world_size=1, model_size=64, model_depth=2), link)
+    assert est.step_ms == pytest.approx(12.3)
+
+
 def test_the_pipeline_bubble_follows_the_schedule():
     from dtlab.analysis.estimate.step import schedule_seconds
 
