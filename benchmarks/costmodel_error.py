@@ -88,7 +88,7 @@ def measure_rounds(link: costmodel.LinkModel, rounds: int, quick: bool,
     the fit (on the fast calls) leaves out. Not cut at zero: where the fit overprices it (alpha 1136 us at a
     fit RMS of 61 % once), the excess takes the overshoot back."""
     frames, links = [], {}
-    price = link.predict("all_reduce", 64 * 1024, 2)
+    price = link.predict("all_reduce", costmodel.BUSY_NBYTES, 2)
     for r in range(rounds):
         busy = costmodel.calibrate_busy(2, rounds=3 if quick else costmodel.BUSY_ROUNDS, price_s=price)
         links[r] = dataclasses.replace(link, busy_s=busy)

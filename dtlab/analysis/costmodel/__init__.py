@@ -86,6 +86,7 @@ The modules, one job each (every public name is re-exported here, so
 
 from dtlab.analysis.costmodel.busy import (
     BUSY_COMPUTE_S,
+    BUSY_NBYTES,
     BUSY_ROUNDS,
     BUSY_SHORT_COMPUTE_S,
     busy_at,
@@ -151,7 +152,7 @@ __all__ = [
     "ALGORITHMS", "ALGORITHM_NAMES", "BACKENDS", "BOOTSTRAP_DRAWS", "COMPUTE_PHASES", "BucketTiming", "Coefficients",
     "DEFAULT_BUCKET_BYTES", "DEFAULT_WORLD_SIZES", "INTERVAL", "LinkModel", "LinkSet", "MAX_TARGET", "MEDIAN_TARGET",
     "MIB", "OPS", "SWEEP_COLUMNS", "StepPrediction", "WARMUP_STEPS", "assumptions", "bootstrap", "bucket_schedule",
-    "BUSY_COMPUTE_S", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at", "busy_excess",
+    "BUSY_COMPUTE_S", "BUSY_NBYTES", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at", "busy_excess",
     "calibrate", "calibrate_busy", "calibrate_ops", "capped",
     "coefficients", "compute_together", "ddp_overhead", "fit_alpha_beta", "fit_frame", "measure", "measure_links",
     "overhead_batch",

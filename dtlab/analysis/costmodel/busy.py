@@ -43,8 +43,8 @@ from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.core.config import shared_threads
 from dtlab.launch.local import launch
 
-__all__ = ["BUSY_COMPUTE_S", "BUSY_MODES", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at", "busy_excess", "busy_rank",
-           "calibrate_busy", "with_busy"]
+__all__ = ["BUSY_COMPUTE_S", "BUSY_MODES", "BUSY_NBYTES", "BUSY_ROUNDS", "BUSY_SHORT_COMPUTE_S", "busy_at",
+           "busy_excess", "busy_rank", "calibrate_busy", "with_busy"]
 
 BUSY_MODES = ("compute", "collective", "both")
 _MATRIX = 256  # one product of two 256 x 256 matrices: about 0.4 ms on one core here
@@ -55,6 +55,7 @@ BUSY_ROUNDS = 25
 # the work before the meeting: here, 25 rounds each (2026-12-04, four calls), 0.5 ms gave 0.04-0.63 ms,
 # 1.6 ms 0.22-1.14 ms and 5 ms 0.64-1.60 ms.
 BUSY_COMPUTE_S, BUSY_SHORT_COMPUTE_S = 5e-3, 0.5e-3
+BUSY_NBYTES = 64 * 1024  # the synthetic job's all-reduce: a price for it must be of this size
 
 
 def _compute_kernels(target_s: float) -> int:
@@ -124,7 +125,7 @@ def busy_excess(rows: Sequence[dict[str, Any]], collective_s: float | None = Non
     return max(0.0, excess) if collective_s is None else excess
 
 
-def calibrate_busy(world_size: int = 2, *, nbytes: int = 64 * 1024, compute_s: float = BUSY_COMPUTE_S,
+def calibrate_busy(world_size: int = 2, *, nbytes: int = BUSY_NBYTES, compute_s: float = BUSY_COMPUTE_S,
                    rounds: int = BUSY_ROUNDS, iterations: int = 20, threads: int | None = None,
                    price_s: float | None = None, **launch_kwargs: Any) -> float:
     """Seconds a collective costs in a busy step beyond the same collective timed alone (``busy_excess`` of a
@@ -146,7 +147,7 @@ def calibrate_busy(world_size: int = 2, *, nbytes: int = 64 * 1024, compute_s: f
     return busy_excess([row for rows in per_rank for row in rows], collective_s=price_s)
 
 
-def with_busy(link: LinkModel | LinkSet, world_size: int = 2, *, nbytes: int = 64 * 1024,
+def with_busy(link: LinkModel | LinkSet, world_size: int = 2, *, nbytes: int = BUSY_NBYTES,
               **kwargs: Any) -> LinkModel | LinkSet:
     """``link`` with both busy figures: ``busy_s`` after ``BUSY_COMPUTE_S`` of compute, ``busy_short_s`` after
     ``BUSY_SHORT_COMPUTE_S`` (``calibrate_busy`` twice; its keywords apply). Each is the excess over the
