@@ -97,6 +97,8 @@ class Exercise:
     stub: Callable[..., Any]
     world_sizes: tuple[int, ...] = (2, 3, 4)
     allowed_world_sizes: tuple[int, ...] | None = None  # None: any world size >= 2
+    # Three levels of help, each giving more away: the idea; the calls to use; pseudo-code.
+    hints: tuple[str, str, str] = ("", "", "")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class ScriptExercise:
     stub: str
     world_sizes: tuple[int, ...] = (2,)
     allowed_world_sizes: tuple[int, ...] | None = None
+    hints: tuple[str, str, str] = ("", "", "")
 
 
 class ExerciseError(RuntimeError):
