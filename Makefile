@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtlab-installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench lab book clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,21 @@ test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
+# The course in JupyterLab, on loopback; it prints the URL to open (start at 00_overview.ipynb).
+# LAB_FLAGS passes more options to JupyterLab, e.g. LAB_FLAGS="--port=8899 --no-browser".
+LAB_FLAGS ?=
+lab: $(STAMP)
+	@echo "dtlab: opening JupyterLab on notebooks/; open the URL below and start at 00_overview.ipynb"
+	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks --ServerApp.ip=127.0.0.1 \
+		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
+
+# The course as a static site (build/book/index.html), offline: notebooks executed in quick mode (the
+# executions `make test` left in build/executed/ are reused while current), plus the docs pages.
+book: $(STAMP)
+	$(PY) -m dtlab.app.book --out build/book
+
 bench: $(STAMP)
 	$(PY) -m dtlab bench --out results/bench --readme
 
 clean:
-	rm -rf results .pytest_cache
+	rm -rf results build .pytest_cache

@@ -170,6 +170,12 @@ def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
                     page.screenshot(path=str(tmp_path / f"no-panel-{attempt}.png"), full_page=True)
                     if attempt == 2:
                         raise
+            # Run All went past the prediction: its answer waits for a guess or the learner's say-so.
+            show = page.locator("button", has_text="Show without guessing")
+            assert show.count() == 1 and page.get_by_text("your guess:").count() == 0
+            show.scroll_into_view_if_needed()
+            show.click()
+            page.get_by_text("your guess: (none)").wait_for(timeout=10_000)
             page.locator(".dtlab-run").scroll_into_view_if_needed()
             tier = page.locator(".widget-dropdown", has=page.locator("label", has_text="tier")).locator("select")
             tier.select_option("zero")

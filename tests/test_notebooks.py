@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from dtlab.app.book import CACHE as EXECUTIONS
+from dtlab.app.book import build, save_execution
+from dtlab.app.predict import HEADLESS_NOTE
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -34,4 +43,60 @@ def test_notebook_runs_in_quick_mode(path, monkeypatch, tmp_path):
     elapsed = time.perf_counter() - t0
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    if ".reveal(" in path.read_text():  # nbclient is no live front-end: the measurement shows at once, saying why
+        assert "measured:" in printed and HEADLESS_NOTE in printed
+    save_execution(nb, path, EXECUTIONS)  # the book (below, and `make book`) renders these
     print(f"{path.name}: {elapsed:.1f} s")
+
+
+def _offline(cmd: list[str]) -> list[str]:
+    """``cmd`` in a network namespace of its own with loopback only, where this machine allows one (root)."""
+    if shutil.which("unshare") and subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0:
+        return ["unshare", "--net", "sh", "-c", 'ip link set lo up 2>/dev/null; exec "$@"', "sh", *cmd]
+    if os.environ.get("CI") == "true":
+        pytest.fail("CI must check that the book builds offline, and `unshare --net` is not available")
+    pytest.skip("`unshare --net` needs root: the offline build is checked where it is available")
+
+
+@pytest.mark.slow
+def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot(tmp_path):
+    from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _missing
+
+    build(tmp_path / "warm", say=print)  # executes only notebooks the test above did not (e.g. under -k)
+    out = tmp_path / "book"
+    cmd = [sys.executable, "-m", "dtlab.app.book", "--out", str(out), "--no-execute"]
+    done = subprocess.run(_offline(cmd), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pages = sorted((out / "notebooks").glob("*.html"))
+    assert [p.stem for p in pages] == [p.stem for p in NOTEBOOKS]
+    assert len(list((out / "docs").glob("*.html"))) >= 3
+    for page in [out / "index.html", *pages]:
+        assert not re.search(r'<(?:script|link|img)[^>]+(?:src|href)="https?://', page.read_text()), page.name
+    compare = (out / "notebooks" / "11_compare.html").read_text()
+    assert "make lab" in compare, "a widget is replaced by a note saying where it runs"
+
+    reason = _missing()
+    if reason and os.environ.get("CI") == "true":
+        pytest.fail(f"the book's browser check cannot run under CI: {reason}")
+    if reason:
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto((out / "index.html").as_uri())
+            course = page.locator(".dtlab-course ol a")
+            assert course.count() == len(NOTEBOOKS)
+            course.filter(has_text="Single").first.click()  # notebook 01: the single-device baseline's plots
+            page.wait_for_selector("img[src^='data:image/png']", timeout=20_000)
+            plot = page.locator("img[src^='data:image/png']").first
+            plot.scroll_into_view_if_needed()
+            assert plot.is_visible()
+            assert page.evaluate("(img) => img.naturalWidth", plot.element_handle()) > 100
+            assert "01_single_device" in page.url
+            page.screenshot(path=str(tmp_path / "book-page.png"))
+        finally:
+            browser.close()
