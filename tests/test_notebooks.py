@@ -15,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 
 from dtlab.app.book import CACHE as EXECUTIONS
-from dtlab.app.book import build, save_execution
+from dtlab.app.book import executions, save_execution
 from dtlab.app.predict import HEADLESS_NOTE
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
@@ -63,7 +63,7 @@ def _offline(cmd: list[str]) -> list[str]:
 def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot(tmp_path):
     from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _missing
 
-    build(tmp_path / "warm", say=print)  # executes only notebooks the test above did not (e.g. under -k)
+    executions(NOTEBOOKS, EXECUTIONS, execute_missing=True, say=print)  # only those the test above did not run
     out = tmp_path / "book"
     cmd = [sys.executable, "-m", "dtlab.app.book", "--out", str(out), "--no-execute"]
     done = subprocess.run(_offline(cmd), capture_output=True, text=True, timeout=300)

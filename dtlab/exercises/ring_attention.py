@@ -1,0 +1,282 @@
+"""Exercise ``ring_attention``: attention over a sequence split across the ranks, K/V blocks passed around a ring.
+
+Context parallelism splits the sequence: rank r holds block r of the queries,
+keys and values. Its queries need every rank's keys and values, so the ranks
+pass their K/V blocks around a ring (send to r + 1, receive from r - 1): after
+n - 1 rounds every block has visited every rank, and no rank ever held more
+than two K/V blocks at once (the one it attends to, and the one arriving).
+
+Each rank attends to one block at a time and merges the partial results with
+the *online softmax*, as flash attention does: per query row it keeps the
+largest score so far ``m``, the sum ``l`` of ``exp(score - m)`` and the output
+``acc`` weighted the same way. A block with a larger maximum ``m_new`` rescales
+what was kept by ``exp(m - m_new)`` before adding its own share; at the end
+``acc / l`` is the softmax over the whole sequence, exactly. Subtracting the
+maximum is what keeps ``exp`` finite: float32 overflows above exp(88.7).
+
+The ``cp`` tier runs the same maths (merged by log-sum-exp) inside the model,
+causal and with the backward pass; this exercise is the forward, non-causal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlab.exercises._check import (
+    RECEIVES,
+    SENDS,
+    Call,
+    Exercise,
+    call_learner,
+    first_collective,
+    ops_used,
+    sent_bytes,
+)
+
+HEADS, BLOCK, HEAD_DIM = 2, 6, 8
+# (the case's name in feedback, the factor on the queries): scaled queries give scores of 100 and more
+CASES = (("random blocks", 1.0), ("large scores (queries ×50)", 50.0))
+RTOL, ATOL = 1e-4, 1e-5  # float32 against float64: scores near 150 carry errors of a few 1e-6
+TOLERANCE = "rtol 1e-4, atol 1e-5"
+
+DESCRIPTION = (
+    "Write fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: the forward pass of ring attention "
+    "(non-causal). The sequence is split over the n = dist.get_world_size() ranks in rank order: rank r holds block r "
+    f"of the queries, keys and values, float32 tensors shaped [heads, block, head_dim] ({HEADS}, {BLOCK}, {HEAD_DIM} "
+    "here). Return this rank's block of the attention over the whole sequence, softmax(Q K^T / sqrt(head_dim)) V "
+    "with Q this rank's queries and K, V every rank's keys and values in rank order: a tensor shaped like q. The "
+    "queries stay where they are; the K and V blocks travel around a ring with point-to-point calls only "
+    "(dist.send, dist.recv, dist.isend, dist.irecv, dist.batch_isend_irecv; no collective): rank r sends only to "
+    "(r + 1) % n and receives only from (r - 1) % n, in n - 1 rounds, each passing on one K block and one V block "
+    "(as two messages, or stacked in one), so that every block reaches every rank while no rank holds all of them. "
+    "gloo's send waits for its receiver: post each round's send and receive together and wait on both. Checked at "
+    "world sizes 2 and 4, with random blocks and with large scores (queries ×50, scores of 100 and more): the output "
+    f"on every rank against full attention computed in one process in float64 ({TOLERANCE}), the "
+    "peer of every transfer, and the bytes each rank sends, (n - 1) × its K and V blocks."
+)
+
+HINTS = (
+    "Keep the queries; let the K/V blocks travel. In round 0 each rank attends to its own block, then passes it on "
+    "and attends to the one that arrives. The softmax of a whole row can be built block by block if each row "
+    "remembers three things: the largest score seen so far, the sum of exp(score - that maximum), and the output "
+    "weighted the same way. When a block brings a larger maximum, rescale what you kept to it; divide at the end.",
+    "dist.get_rank(), dist.get_world_size(); torch.stack([k, v]) to send both in one message; "
+    "dist.P2POp(dist.isend, kv, (r + 1) % n) and dist.P2POp(dist.irecv, incoming, (r - 1) % n) with "
+    "torch.empty_like(kv), dist.batch_isend_irecv(ops) and .wait() on each work it returns; "
+    "q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]); s.amax(-1, keepdim=True), torch.maximum, torch.exp, "
+    ".sum(-1, keepdim=True); m starts at torch.full(..., -inf), so exp(m - m_new) is 0 on the first block.",
+    "kv = stack([k, v]); m = -inf, l = 0, acc = 0 (per query row)\n"
+    "for step in range(n):\n"
+    "    if step < n - 1: start sending kv to r + 1 and receiving the next kv from r - 1\n"
+    "    s = q @ kv[0]^T / sqrt(d)\n"
+    "    m_new = max(m, rowmax(s)); p = exp(s - m_new); alpha = exp(m - m_new)\n"
+    "    l = alpha * l + rowsum(p); acc = alpha * acc + p @ kv[1]; m = m_new\n"
+    "    if step < n - 1: wait for both transfers; kv = what arrived\n"
+    "return acc / l",
+)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference: n - 1 ring rounds of the stacked K/V block, merged with the online softmax."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv = torch.stack([k, v])  # one message per round instead of two
+    m = torch.full((*q.shape[:-1], 1), -math.inf)  # each row's largest score so far
+    total = torch.zeros_like(m)  # each row's sum of exp(score - m)
+    acc = torch.zeros_like(q)  # the output, weighted like total and not yet divided by it
+    for step in range(n):
+        # Start passing the block on before using it, so the transfer overlaps this round's compute.
+        works, incoming = _shift(kv, rank, n) if step < n - 1 else ([], kv)
+        s = q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp(s - m_new)  # every exp is at most 1: no overflow however large the scores
+        alpha = torch.exp(m - m_new)  # what was kept was relative to the old maximum (0 on the first block)
+        total = alpha * total + p.sum(-1, keepdim=True)
+        acc = alpha * acc + p @ kv[1]
+        m = m_new
+        for work in works:
+            work.wait()
+        kv = incoming
+    return acc / total
+
+
+def _shift(kv: torch.Tensor, rank: int, n: int) -> tuple[list[Any], torch.Tensor]:
+    """Start sending ``kv`` to the right while receiving the left neighbour's: (the works, the receive buffer)."""
+    incoming = torch.empty_like(kv)
+    ops = [dist.P2POp(dist.isend, kv, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+    return dist.batch_isend_irecv(ops), incoming
+
+
+def stub(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A starting point: replace the body (see ``describe('ring_attention')``)."""
+    raise NotImplementedError(
+        "write ring attention: attend to your own K/V block, then n - 1 times pass the block you hold to rank r + 1 "
+        "while receiving the next from rank r - 1, attend to it and merge it with what you have; return this "
+        "rank's block of the output, shaped like q")
+
+
+# -- checking ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """What one rank saw in one test case: its q, k and v, the output it returned (None: not a tensor), its calls."""
+
+    name: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor | None
+    returned: str  # the type of what fn returned, for feedback
+    calls: tuple[Call, ...]
+
+
+def on_rank(info: Any, fn: Any) -> list[Case]:
+    """Every test case, in the same order on every rank; the learner gets copies, so the inputs stay as given."""
+    cases = []
+    for i, (name, factor) in enumerate(CASES):
+        gen = torch.Generator().manual_seed(7919 * i + info.rank)
+        q, k, v = (torch.randn(HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(3))
+        q *= factor
+        value, calls = call_learner(fn, q.clone(), k.clone(), v.clone(), where=f"with {name}")
+        out = value.detach().clone() if isinstance(value, torch.Tensor) else None
+        cases.append(Case(name, q, k, v, out, type(value).__name__, calls))
+    return cases
+
+
+def judge(n: int, ranks: list[list[Case]]) -> str | None:
+    for i in range(len(CASES)):
+        case = [cases[i] for cases in ranks]
+        problem = _collective(case) or _wrong_output(case, i) or _not_a_ring(case, n) or _wrong_bytes(case, n)
+        if problem:
+            return problem
+    return None
+
+
+def _collective(case: list[Case]) -> str | None:
+    found = first_collective([c.calls for c in case])
+    if found is None:
+        return None
+    r, call = found
+    why = (" all_gather moves every block to every rank at once, so each rank holds the whole sequence's keys and "
+           "values: the memory that splitting the sequence was meant to save." if call.op.startswith("all_gather")
+           else "")
+    return (f"rank {r} called dist.{call.op} with {case[r].name}: collectives are not allowed here. Ring attention "
+            "passes K/V blocks around the ring with point-to-point calls (send, recv, isend, irecv, "
+            "batch_isend_irecv), one neighbour's block per round." + why)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax(q keys^T / sqrt(d)) values in float64: full attention, in one process."""
+    s = q.double() @ keys.double().transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, dim=-1) @ values.double()
+
+
+def _wrong_output(case: list[Case], i: int) -> str | None:
+    keys, values = torch.cat([c.k for c in case], -2), torch.cat([c.v for c in case], -2)
+    for r, c in enumerate(case):
+        if c.out is None:
+            return (f"rank {r} returned {c.returned} with {c.name}: return this rank's block of the output, a "
+                    f"tensor shaped like q {tuple(c.q.shape)}.")
+        expected = attention(c.q, keys, values)
+        if c.out.shape != expected.shape:
+            return (f"rank {r} returned a tensor of shape {tuple(c.out.shape)} with {c.name}, not "
+                    f"{tuple(expected.shape)}: this rank's block of the output is shaped like q.")
+        out = c.out.double()
+        right = torch.isclose(out, expected, rtol=RTOL, atol=ATOL)
+        if bool(right.all()):
+            continue
+        h, row, col = (int(x) for x in (~right).nonzero()[0])
+        return (f"rank {r}'s output is wrong with {c.name}: at [{h}, {row}, {col}] it is {float(out[h, row, col]):.6g} "
+                f"where full attention gives {float(expected[h, row, col]):.6g} ({int(right.sum())} of "
+                f"{right.numel()} values right). " + _output_hint(i, c, out, case))
+    return None
+
+
+def _output_hint(i: int, c: Case, out: torch.Tensor, case: list[Case]) -> str:
+    """What the wrong output looks like: overflow, one block only, blocks normalised apart, or a wrong merge."""
+    if i > 0:  # the random blocks passed, so the merge is right but for the size of the scores
+        broke = "gives inf or NaN" if not bool(out.isfinite().all()) else "loses precision"
+        return (f"Your merge works on random blocks but {broke} once scores are large: exp of a score above 88.7 "
+                "overflows float32 (exp(100) is inf, and inf / inf is NaN). Subtract each row's running maximum "
+                "(the largest score seen so far) before exp, so that no exp exceeds 1, and rescale what you "
+                "accumulated whenever that maximum grows.")
+    if not bool(out.isfinite().all()):
+        return ("It holds inf or NaN although these scores are small: look for exp(-inf - (-inf)) (a maximum that "
+                "starts at -inf subtracted from itself) or a division by a sum that is still 0.")
+    if _close(out, attention(c.q, c.k, c.v)):
+        return ("It is attention to this rank's own keys only: the queries must see every rank's keys and values, "
+                "which arrive around the ring in n - 1 rounds.")
+    per_block = torch.stack([attention(c.q, b.k, b.v) for b in case])
+    if _close(out, per_block.sum(0)) or _close(out, per_block.mean(0)):
+        return ("It is the attention to each block separately, each softmax normalised over its own block's keys, "
+                "then summed or averaged. The weights must sum to 1 over the whole sequence: a block's partial "
+                "result counts by its share of the row's total sum, and partial results must be rescaled to the "
+                "new running maximum before they are added up.")
+    return ("Each row must be one softmax over all keys: when a block brings a larger maximum, the sum and the "
+            "output accumulated so far (relative to the old maximum) must be rescaled to the new running maximum, "
+            "by exp(m_old - m_new), before the block's own share is added; divide by the total sum at the end.")
+
+
+def _close(out: torch.Tensor, candidate: torch.Tensor) -> bool:
+    return bool(torch.allclose(out, candidate, rtol=RTOL, atol=ATOL))
+
+
+def _not_a_ring(case: list[Case], n: int) -> str | None:
+    for r, c in enumerate(case):
+        right, left = (r + 1) % n, (r - 1) % n
+        for call in c.calls:
+            if call.op in SENDS and call.peer != right:
+                return (f"rank {r} sent to rank {call.peer} with {c.name}; in a ring, rank r sends only to r + 1 "
+                        f"(here rank {right}).")
+            if call.op in RECEIVES and call.peer != left:
+                whom = "any rank (src=None)" if call.peer is None else f"rank {call.peer}"
+                return (f"rank {r} received from {whom} with {c.name}; in a ring, rank r receives only from r - 1 "
+                        f"(here rank {left}).")
+    return None
+
+
+def _wrong_bytes(case: list[Case], n: int) -> str | None:
+    half = case[0].k.nbytes  # one K or V block; K and V stacked are twice that
+    block, expected = 2 * half, (n - 1) * 2 * half
+    for r, c in enumerate(case):
+        odd = next((call.nbytes for call in c.calls if call.op in SENDS and call.nbytes not in (half, block)), None)
+        if odd is not None:
+            return (f"rank {r} sent a message of {odd:,} bytes with {c.name}; a K or V block is {half:,} bytes "
+                    f"(float32), both stacked {block:,}: pass on the K and V blocks as they came, in their dtype; "
+                    "the queries stay where they are.")
+        sent = sent_bytes(c.calls)
+        if sent == expected:
+            continue
+        if sent == n * block:
+            hint = " An n-th round only brings every block back to its owner, which has it already."
+        elif sent > expected:
+            hint = " Pass on only the K and V block you hold, once per round; the queries stay where they are."
+        else:
+            hint = " Every round passes on both blocks, K and V, so that each block reaches all n - 1 other ranks."
+        return (f"rank {r} sent {sent:,} bytes with {c.name}; ring attention passes its K and V blocks ({block:,} "
+                f"bytes together) once in each of the n - 1 = {n - 1} rounds: {expected:,} bytes." + hint)
+    return None
+
+
+def summary(records: dict[int, list[list[Case]]]) -> str:
+    block = records[min(records)][0][0].k.nbytes * 2
+    per_n = [f"n={n}: {sent_bytes(ranks[0][0].calls):,} in {ops_used(ranks[0][0].calls)}"
+             for n, ranks in records.items()]
+    return (f"every rank's output matched full attention in one process (float64; {TOLERANCE}) at world sizes "
+            f"{', '.join(map(str, records))}, with random blocks and with large scores (queries ×{CASES[-1][1]:g}, "
+            f"scores up to {_largest_score(records):.0f}), using point-to-point calls only, each rank sending only "
+            f"to r + 1 and receiving only from r - 1. Bytes each rank sent, (n - 1) × its K and V blocks "
+            f"({block:,} bytes together): " + "; ".join(per_n) + ".")
+
+
+def _largest_score(records: dict[int, list[list[Case]]]) -> float:
+    ranks = records[max(records)]
+    keys = torch.cat([cases[-1].k for cases in ranks], -2)
+    return max(float((cases[-1].q @ keys.transpose(-2, -1)).amax()) / math.sqrt(HEAD_DIM) for cases in ranks)
+
+
+EXERCISE = Exercise("ring_attention", DESCRIPTION, on_rank, judge, summary, ring_attention, stub,
+                    world_sizes=(2, 4), hints=HINTS)
