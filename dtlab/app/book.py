@@ -166,9 +166,26 @@ PAGE_CSS = ("body{max-width:980px;margin:0 auto;font:16px/1.55 sans-serif;color:
             "h1:hover>a.anchor-link,h2:hover>a.anchor-link,h3:hover>a.anchor-link{visibility:visible}")
 
 
+def _github_anchors(page: str) -> str:
+    """Heading ids as GitHub makes them (lower case, punctuation dropped, spaces to hyphens, repeats numbered),
+    so a link to ``page.md#section`` lands on its section in the book as it does on GitHub."""
+    seen: dict[str, int] = {}
+
+    def rename(match: re.Match[str]) -> str:
+        level, old, inner = match.group(1), match.group(2), match.group(3)
+        text = html.unescape(re.sub(r"<[^>]+>", "", inner))
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        new = slug if count == 0 else f"{slug}-{count}"
+        return f'<h{level} id="{new}">{inner}<a class="anchor-link" href="#{new}">'
+
+    return re.sub(r'<h(\d) id="([^"]*)">(.*?)<a class="anchor-link" href="#\2">', rename, page)
+
+
 def markdown_page(markdown: str, title: str, nav: str) -> str:
     """A page from a markdown file: the text rendered, with the site's bar and no external resource."""
-    body = _site_links(markdown2html_mistune(markdown))
+    body = _site_links(_github_anchors(markdown2html_mistune(markdown)))
     style = NAV_CSS + PAGE_CSS + HtmlFormatter().get_style_defs(".highlight")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{style}</style></head><body>{nav}<main>{body}</main></body></html>\n")
