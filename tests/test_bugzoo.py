@@ -18,11 +18,17 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from dtlab.analysis.stragglers import straggler
-from dtlab.exercises import CheckResult, bugzoo
+from dtlab.exercises import CheckResult, _progress, bugzoo
 from dtlab.exercises.bugzoo import kit, rank_branch
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
 NAMES = ("seed", "set_epoch", "rank_branch", "unused_parameter", "uneven_batches", "straggler")
+
+
+@pytest.fixture(autouse=True)
+def progress_log(tmp_path, monkeypatch):
+    """Checks record their verdicts in a temporary file, not in the working directory's results/."""
+    monkeypatch.setattr(_progress, "PROGRESS_LOG", tmp_path / "progress.jsonl")
 
 
 # -- wrong fixes: the bug moved, not gone ----------------------------------------------------------------------------

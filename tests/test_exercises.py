@@ -13,13 +13,31 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from IPython.lib.pretty import pretty
 
 from dtlab import exercises
-from dtlab.exercises import CheckResult, gpipe_schedule
+from dtlab.exercises import CheckResult, _progress, gpipe_schedule
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
 runs_torchrun = pytest.mark.usefixtures("nothing_left")
 FUNCTIONS = ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "gpipe_schedule")
+# Per exercise, phrases of its hints that would give the algorithm away: describe() must not contain any of them.
+# A new exercise gets its own entry (the test below fails until it has one).
+GIVEAWAYS = {
+    "ring_allreduce": ("reduce-scatter", "all-gather", "tensor_split", "(r - s) % n", "n - 1 rounds"),
+    "naive_ddp": ("all_reduce", "get_world_size", "mean of the ranks'"),
+    "bucketed_ddp": ("register_post_accumulate_grad_hook", "hook", "torch.cat", "wait()", "reversed("),
+    "zero1_step": ("i % n", "owns", "src=", "round-robin"),
+    "gpipe_schedule": ("requires_grad_", "/ M", "detach()", "empty_like", "last micro-batch first"),
+    "ddp_script": ("init_process_group", "DistributedSampler", "set_epoch", "model.module", "destroy_process_group"),
+    "ring_attention": ("largest score seen so far", "rescale", "torch.exp", "amax", "acc / l"),
+}
+
+
+@pytest.fixture(autouse=True)
+def progress_log(tmp_path, monkeypatch):
+    """Checks record their verdicts in a temporary file, not in the working directory's results/."""
+    monkeypatch.setattr(_progress, "PROGRESS_LOG", tmp_path / "progress.jsonl")
 
 
 # -- correct designs other than the references -------------------------------------------------------------------
@@ -291,8 +309,8 @@ def gpipe_without_scaling(stage, micro_batches, targets, loss_fn):
 
 # -- the registry and the result (no processes) ------------------------------------------------------------------
 def test_names_list_the_exercises_in_course_order_and_each_is_described():
-    assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "gpipe_schedule",
-                                 "ddp_script")
+    assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "ddp_script",
+                                 "gpipe_schedule", "ring_attention")
     for name in exercises.names():
         text = exercises.describe(name)
         assert "\n" not in text and "Checked at world size" in text
@@ -301,7 +319,7 @@ def test_names_list_the_exercises_in_course_order_and_each_is_described():
             assert callable(exercises.solution(name)) and callable(exercises.stub(name))
     assert "Checked at world sizes 2, 3 and 4" in exercises.describe("ring_allreduce")
     assert "Checked at world sizes 2 and 3" in exercises.describe("gpipe_schedule")
-    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, bucketed_ddp, zero1_step, gpipe_schedule, ddp"):
+    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, bucketed_ddp, zero1_step, ddp_script, gpipe"):
         exercises.describe("tree_allreduce")
     with pytest.raises(TypeError, match="needs your function"):
         exercises.check("naive_ddp", "not a function")
@@ -313,7 +331,8 @@ def test_names_list_the_exercises_in_course_order_and_each_is_described():
 
 def test_ddp_script_takes_the_path_of_a_script_and_its_stub_and_solution_are_scripts(tmp_path):
     text = exercises.describe("ddp_script")
-    assert text.startswith("Write a torchrun script") and "--out DIR --epochs 2" in text and "set_epoch" in text
+    assert text.startswith("Write a torchrun script") and "--out DIR --epochs 2" in text
+    assert "indices_rank{rank}_epoch{epoch}.json" in text and "each epoch's order differs" in text
     for path in (exercises.solution("ddp_script"), exercises.stub("ddp_script")):
         assert isinstance(path, str) and path.endswith(".py") and os.path.isfile(path)
     assert "set_epoch" in Path(exercises.solution("ddp_script")).read_text()
@@ -321,6 +340,47 @@ def test_ddp_script_takes_the_path_of_a_script_and_its_stub_and_solution_are_scr
         exercises.check("ddp_script", ddp_doing_nothing)
     with pytest.raises(FileNotFoundError, match="there is no file at .*missing.py"):
         exercises.check("ddp_script", tmp_path / "missing.py")
+
+
+def hint_text(name, level):
+    """The hint itself: hint() adds a heading line and a last line saying what comes next."""
+    return "\n".join(exercises.hint(name, level).splitlines()[1:-1])
+
+
+def test_every_exercise_has_three_hints_each_giving_more_away():
+    assert set(GIVEAWAYS) == set(exercises.names())
+    for name in exercises.names():
+        texts = [hint_text(name, level) for level in (1, 2, 3)]
+        assert all(t.strip() for t in texts) and len(set(texts)) == 3, name
+        assert len(texts[2]) > len(texts[0]), name
+        assert exercises.hint(name).startswith(f"Hint 1 of 3 for {name} (the idea):")
+        assert exercises.hint(name, 1).endswith(f"exercises.hint({name!r}, 2) gives the calls to use.")
+        assert exercises.hint(name, 2).endswith(f"exercises.hint({name!r}, 3) gives pseudo-code.")
+        assert f"exercises.solution({name!r})" in exercises.hint(name, 3).splitlines()[-1]
+        assert pretty(exercises.hint(name, 3)) == exercises.hint(name, 3)  # a notebook shows the lines, unquoted
+
+
+def test_describe_gives_the_task_and_the_hints_give_the_algorithm():
+    for name, phrases in GIVEAWAYS.items():
+        text, hints = exercises.describe(name), "\n".join(hint_text(name, level) for level in (1, 2, 3))
+        assert f"exercises.hint({name!r})" in text
+        for phrase in phrases:
+            assert phrase in hints, f"{name}: {phrase!r} is not in its hints"
+            assert phrase not in text, f"describe({name!r}) gives {phrase!r} away"
+    naive = exercises.describe("naive_ddp")
+    assert "all_reduce" not in naive and "get_world_size" not in naive
+    assert "(r + 1) % n" in exercises.describe("ring_allreduce")  # a rule of the ring, not a step of it
+
+
+@pytest.mark.parametrize("level", [0, 4, -1, True, False, 2.0, "2", None])
+def test_a_hint_level_other_than_1_2_or_3_is_refused(level):
+    with pytest.raises(ValueError, match=r"level=.* level is 1 \(the idea\), 2 .* or 3"):
+        exercises.hint("naive_ddp", level)
+
+
+def test_a_hint_for_an_unknown_exercise_names_the_exercises():
+    with pytest.raises(ValueError, match="no exercise named 'tree_allreduce': choose one of ring_allreduce"):
+        exercises.hint("tree_allreduce")
 
 
 def test_check_result_reads_as_its_verdict_in_python_and_in_a_notebook():

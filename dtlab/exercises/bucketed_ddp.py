@@ -85,22 +85,53 @@ def pack(sizes: Sequence[int], bucket_bytes: int) -> list[int]:
 
 
 DESCRIPTION = (
-    "Write fn(model: torch.nn.Module, bucket_bytes: int) -> Callable[[], None]: DistributedDataParallel's "
-    "bucketed, overlapped gradient averaging. The checker calls fn once per rank, before training; fn registers a "
-    "hook on every parameter (p.register_post_accumulate_grad_hook(hook): autograd calls hook(p) once p.grad is "
-    "accumulated) and returns finish, a function of no arguments. Pack the gradients into buckets in the reverse "
-    "order of model.parameters() (the order backward produces them): each gradient joins the current bucket unless "
-    "that would take it past bucket_bytes bytes, in which case it opens a new bucket (a gradient bigger than "
-    "bucket_bytes gets a bucket of its own). When a bucket's last gradient is in, the hook all-reduces the whole "
-    "bucket (one flat tensor) with dist.all_reduce(flat, async_op=True) and keeps the work: backward goes on while "
-    "it travels. Each step the checker runs loss.backward() on this rank's shard of the global batch (equal shards), "
-    "then calls finish(), which waits on every outstanding work, divides by dist.get_world_size() and copies the "
-    "averages back into every p.grad (leaving the parameters alone), ready for the next step; then it takes a plain "
-    f"SGD step. Checked at world sizes 2 and 3 (bucket_bytes {BUCKET_BYTES[2]:,} and {BUCKET_BYTES[3]:,}) over "
-    f"{STEPS} steps of an MLP with layers {' -> '.join(map(str, WIDTHS))}: every rank's gradients after finish() and "
-    f"the parameters after every step against one process training on the whole batch (within {TOL:g}); the "
-    "all_reduces of every step, exactly one per bucket with the bucket's bytes, nothing else; and the overlap: the "
-    "all_reduces are asynchronous and issued before loss.backward() returns."
+    "Write fn(model: torch.nn.Module, bucket_bytes: int) -> Callable[[], None]: DistributedDataParallel's bucketed "
+    "gradient averaging, overlapped with backward. The checker calls fn once per rank, before training, and keeps "
+    "what it returns, finish, a function of no arguments. Then, each step, it runs loss.backward() on this rank's "
+    "shard of the global batch (equal shards), calls finish() and takes a plain SGD step. After finish() every "
+    "p.grad must be the global batch's gradient (the mean of the ranks' gradients) on every rank, the parameters "
+    "untouched, step after step. The buckets are fixed: walk the gradients in the order backward produces them, "
+    "the reverse of model.parameters(); each joins the current bucket unless that would take it past bucket_bytes "
+    "bytes, in which case it opens a new bucket (a gradient bigger than bucket_bytes gets a bucket of its own). "
+    "Rules: in every step exactly one dist.all_reduce per bucket, carrying that bucket's bytes (its gradients as "
+    "one flat tensor), and no other call; each one asynchronous (async_op=True) and issued while loss.backward() "
+    "is still running, not after it returns. Checked at world sizes 2 and 3 (bucket_bytes "
+    f"{BUCKET_BYTES[2]:,} and {BUCKET_BYTES[3]:,}) over {STEPS} steps of an MLP with layers "
+    f"{' -> '.join(map(str, WIDTHS))}: every rank's gradients after finish() and the parameters after every step "
+    f"against one process training on the whole batch (within {TOL:g}); the all_reduces of every step, one per "
+    "bucket with the bucket's bytes, nothing else; and the overlap: asynchronous, issued before loss.backward() "
+    "returned."
+)
+
+HINTS = (
+    "Let backward tell you when each gradient is ready. The moment a bucket's last gradient is in, start that "
+    "bucket's all_reduce without waiting for it: backward goes on computing the earlier layers' gradients while "
+    "the bucket travels. fn sets this up once; finish() only waits for the buckets and writes the averages back, "
+    "then makes everything ready for the next step.",
+
+    "p.register_post_accumulate_grad_hook(hook) on every parameter: autograd calls hook(p) once p.grad holds this "
+    "step's gradient. Count, per bucket, how many of its gradients are in; when the bucket is complete: flat = "
+    "torch.cat([q.grad.reshape(-1) for q in bucket]) and work = dist.all_reduce(flat, async_op=True), which "
+    "returns at once; keep (bucket, flat, work). In finish(): work.wait() for each, flat.div_(dist.get_world_size()), "
+    "then flat.split([q.numel() for q in bucket]) and q.grad.copy_(part.view_as(q.grad)) for each parameter; clear "
+    "the kept works and reset the counts.",
+
+    "fn(model, bucket_bytes):\n"
+    "    buckets = []\n"
+    "    for p in reversed(list(model.parameters())):    # backward's order\n"
+    "        add p to the last bucket if its bytes still fit under bucket_bytes, else open a new bucket [p]\n"
+    "    bucket_of[p] = its bucket's index;  ready = [0] * len(buckets);  pending = []\n"
+    "    on_ready(p):                                     # registered on every p as its post-accumulate-grad hook\n"
+    "        b = bucket_of[p];  ready[b] += 1\n"
+    "        if ready[b] == len(buckets[b]):\n"
+    "            flat = the bucket's gradients, flattened and concatenated\n"
+    "            pending.append((b, flat, all_reduce(flat, async_op=True)))\n"
+    "    finish():\n"
+    "        for b, flat, work in pending:\n"
+    "            work.wait();  flat /= world size\n"
+    "            copy flat's pieces back into the p.grad of each parameter of bucket b\n"
+    "        pending.clear();  ready = [0] * len(buckets)\n"
+    "    return finish",
 )
 
 
@@ -313,4 +344,4 @@ def summary(records: dict[int, list[list[Step]]]) -> str:
 
 
 EXERCISE = Exercise("bucketed_ddp", DESCRIPTION, on_rank, judge, summary, bucketed_ddp, stub, world_sizes=(2, 3),
-                    allowed_world_sizes=(2, 3, 4))
+                    allowed_world_sizes=(2, 3, 4), hints=HINTS)

@@ -52,28 +52,53 @@ TOL = 1e-5
 KEYS = ("0.weight", "0.bias", "2.weight", "2.bias")
 
 DESCRIPTION = (
-    "Write a torchrun script that trains a small MLP with DistributedDataParallel; check it with "
-    "check('ddp_script', path), a path rather than a function. The check writes the data to DIR/data.pt, runs "
-    f"python -m torch.distributed.run --nproc-per-node 2 path --out DIR --epochs {EPOCHS} and judges what the "
-    "script leaves in DIR (exercises.stub('ddp_script') is the path of a starter to copy, "
-    "exercises.solution('ddp_script') the reference's). The script parses --out and --epochs; calls "
-    "dist.init_process_group('gloo') (torchrun's environment gives the rank and world size); loads data = "
-    "torch.load(os.path.join(out, 'data.pt'), "
-    f"weights_only=True), a dict with 'x' (float32, {SAMPLES} × {FEATURES}) and 'y' (int64, {SAMPLES} labels "
-    f"0 to {CLASSES - 1}), into a TensorDataset; sampler = DistributedSampler(dataset, shuffle=True, seed=0); "
-    f"loader = DataLoader(dataset, batch_size={BATCH}, sampler=sampler); torch.manual_seed(0), then model = "
-    f"nn.Sequential(nn.Linear({FEATURES}, {WIDTH}), nn.Tanh(), nn.Linear({WIDTH}, {CLASSES})), wrapped in "
-    f"DistributedDataParallel; torch.optim.SGD(model.parameters(), lr={LR}). Each epoch: sampler.set_epoch(epoch); "
-    "write the indices this rank trains on, json.dump(list(sampler), f), to "
-    "os.path.join(out, f'indices_rank{rank}_epoch{epoch}.json'); then for every batch zero_grad, "
-    "F.cross_entropy(model(x), y).backward(), step. After training, rank 0 alone saves "
-    "model.module.state_dict() to os.path.join(out, 'model.pt'), every rank calls dist.barrier(), then "
-    "dist.destroy_process_group(). Checked at world size 2 (a script running past 30 + 6 × timeout_s seconds is "
-    "stopped): the script ends without error on every rank, which joined as ranks 0 and 1 of 2; in each epoch the "
-    f"ranks' indices are disjoint and cover all {SAMPLES} samples, and each epoch's order differs from the one "
-    "before (set_epoch); every rank built a DistributedDataParallel; only rank 0 saved model.pt, and every rank "
+    "Write a torchrun script that trains a small MLP data-parallel, with DistributedDataParallel; check it with "
+    "check('ddp_script', path), a path rather than a function (exercises.stub('ddp_script') is the path of a "
+    "one-process starter to copy, exercises.solution('ddp_script') the reference's). The check writes the data to "
+    "DIR/data.pt and runs python -m torch.distributed.run --nproc-per-node 2 path --out DIR --epochs "
+    f"{EPOCHS}, which starts the script once per rank. The script parses --out and --epochs; loads data = "
+    "torch.load(os.path.join(out, 'data.pt'), weights_only=True), a dict with 'x' (float32, "
+    f"{SAMPLES} × {FEATURES}) and 'y' (int64, {SAMPLES} labels 0 to {CLASSES - 1}), as a TensorDataset; and trains "
+    f"nn.Sequential(nn.Linear({FEATURES}, {WIDTH}), nn.Tanh(), nn.Linear({WIDTH}, {CLASSES})), built right after "
+    f"torch.manual_seed(0), with torch.optim.SGD (lr={LR}) on F.cross_entropy, in batches of {BATCH} per rank: "
+    "each rank on its own share of every epoch, in a new shuffled order each epoch, all ranks stepping together "
+    "as one model. In every epoch it writes the indices this rank trains on, in the order it trains on them, as "
+    "a JSON list to os.path.join(out, f'indices_rank{rank}_epoch{epoch}.json'). After training, rank 0 alone saves "
+    f"the trained model's state_dict (the keys {', '.join(KEYS)}) to os.path.join(out, 'model.pt'), and no rank "
+    "goes on before the file is written. Checked at world size 2 (a script running past 30 + 6 × timeout_s "
+    "seconds is stopped): the script ends without error on every rank, which joined as ranks 0 and 1 of 2; in "
+    f"each epoch the ranks' indices are disjoint and cover all {SAMPLES} samples, and each epoch's order differs "
+    "from the one before; every rank built a DistributedDataParallel; only rank 0 saved model.pt, and every rank "
     "waited at a barrier until it had; and the saved parameters match one process training the same model on the "
     f"same global batches (within {TOL:g})."
+)
+
+HINTS = (
+    "A torchrun script is the one-process script plus five pieces: join the other processes in one process group; "
+    "give each rank its own share of the data; reshuffle that share every epoch; wrap the model so that backward "
+    "averages the gradients over the ranks; and save once, from rank 0, while the others wait for it.",
+
+    "dist.init_process_group('gloo') reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); "
+    "then rank = dist.get_rank(). sampler = DistributedSampler(dataset, shuffle=True, seed=0) and "
+    f"DataLoader(dataset, batch_size={BATCH}, sampler=sampler) (no shuffle=True on the loader). At the start of "
+    "each epoch sampler.set_epoch(epoch): the sampler shuffles with seed + epoch; list(sampler) is then this rank's "
+    "indices, in order. model = DistributedDataParallel(model), and the optimizer takes the wrapper's parameters. "
+    "At the end: if rank == 0: torch.save(model.module.state_dict(), path) (module: the model inside the "
+    "wrapper); dist.barrier() on every rank; dist.destroy_process_group().",
+
+    "dist.init_process_group('gloo');  rank = dist.get_rank()\n"
+    "dataset = TensorDataset(data['x'], data['y'])\n"
+    "sampler = DistributedSampler(dataset, shuffle=True, seed=0)\n"
+    f"loader = DataLoader(dataset, batch_size={BATCH}, sampler=sampler)\n"
+    "torch.manual_seed(0);  model = DistributedDataParallel(nn.Sequential(...))\n"
+    f"optimizer = torch.optim.SGD(model.parameters(), lr={LR})\n"
+    "for epoch in range(epochs):\n"
+    "    sampler.set_epoch(epoch)\n"
+    "    write list(sampler) to indices_rank{rank}_epoch{epoch}.json\n"
+    "    for x, y in loader: zero_grad; cross_entropy(model(x), y).backward(); step\n"
+    "if rank == 0: torch.save(model.module.state_dict(), os.path.join(out, 'model.pt'))\n"
+    "dist.barrier()\n"
+    "dist.destroy_process_group()",
 )
 
 
@@ -328,4 +353,4 @@ def run(script: Path, world_sizes: Sequence[int], timeout_s: float) -> CheckResu
 
 
 EXERCISE = ScriptExercise(NAME, DESCRIPTION, run, str(REFERENCE), str(STARTER), world_sizes=(2,),
-                          allowed_world_sizes=(2, 3, 4))
+                          allowed_world_sizes=(2, 3, 4), hints=HINTS)

@@ -55,21 +55,48 @@ DESCRIPTION = (
     "loss_fn) -> torch.Tensor | None: one training step of a GPipe pipeline, with point-to-point calls. Rank r runs "
     "stage r of n = dist.get_world_size(), a slice of one model (rank 0 the first layers, rank n - 1 the last), and "
     "M = len(micro_batches). On rank 0 micro_batches holds the M micro-batches of the input; on every other rank, M "
-    "empty tensors shaped like the activations it receives from rank r - 1: receive into them (dist.recv("
-    "micro_batches[m], src=r - 1)) and call requires_grad_() on them, so that backward gives their gradient. "
-    "targets holds the M targets on the last rank, None elsewhere. First all M forwards, in order: run the stage on "
-    "micro-batch m, send the output to rank r + 1 (output.detach()) and keep input and output; the last stage "
-    "computes loss_fn(output, targets[m]) / M instead (loss_fn gives a micro-batch's mean loss). Then all M "
-    "backwards, last micro-batch first: the last stage calls backward on its scaled loss, the others receive the "
-    "gradient of their output from rank r + 1 (into torch.empty_like(output)) and call output.backward(gradient); "
-    "every stage but the first sends its input's .grad to rank r - 1. The gradients accumulate in the stage's "
-    "parameters (the checker zeroed them). Return the batch's loss (the sum of the M scaled losses) on the last "
-    "rank, None elsewhere. Use only point-to-point calls (send, recv, isend, irecv, batch_isend_irecv); gloo's send "
-    "waits for its receiver, and sends and receives in the order above always meet. Checked at world sizes 2 and 3 "
+    "empty tensors shaped like the activations it gets from rank r - 1, to receive them into. targets holds the M "
+    "targets on the last rank, None elsewhere; loss_fn(output, target) gives a micro-batch's mean loss. The checker "
+    "zeroed the stage's gradients; after fn every parameter's .grad must be what one process running the whole "
+    "model on the whole batch's mean loss gives it, and the last rank returns that loss (a one-element tensor), "
+    "the others None. Rules: only "
+    "point-to-point calls (send, recv, isend, irecv, batch_isend_irecv; no collective, not even a barrier), each "
+    "with a neighbouring rank, and GPipe's order: on every rank, all its forward transfers (activations) before any "
+    "backward transfer (gradients). Checked at world sizes 2 and 3 "
     f"with M = {CASES[0][0]} and M = {CASES[1][0]} ({BATCH} samples): every stage's gradients and the returned loss "
     f"against one process running the whole model on the whole batch (within {TOL:g}); point-to-point calls only, "
-    "between neighbours; M activations forward and M gradients back across every boundary; and GPipe's order: on "
-    "every rank, all its forward transfers before any backward transfer."
+    "between neighbours; M activations forward and M gradients back across every boundary; and GPipe's order."
+)
+
+HINTS = (
+    "First all M forwards: each stage takes micro-batch m from the stage before, runs it and passes the output on. "
+    "Then all M backwards, last micro-batch first: each stage gets the gradient of its output from the stage after, "
+    "backpropagates it through its slice and passes the gradient of its input back. Keep every micro-batch's input "
+    "and output until its backward, let the parameters' gradients add up over the micro-batches, and weigh each "
+    "micro-batch's loss so that together they make the whole batch's mean loss.",
+
+    "Forward, on rank r: unless r is 0, dist.recv(x, src=r - 1) into micro_batches[m], then x.requires_grad_() so "
+    "that backward leaves its gradient in x.grad; y = stage(x); on the last rank loss = loss_fn(y, targets[m]) / M "
+    "(the batch's mean loss is the mean of the M micro-batch means), elsewhere dist.send(y.detach(), dst=r + 1). "
+    "Backward, m from M - 1 down to 0: on the last rank loss.backward(); elsewhere grad = torch.empty_like(y), "
+    "dist.recv(grad, src=r + 1), y.backward(grad); then, unless r is 0, dist.send(x.grad, dst=r - 1). Blocking send "
+    "and recv are fine: in this order every send meets its receive. Return the sum of the M scaled losses, "
+    ".detach()ed, on the last rank.",
+
+    "r, n, M = dist.get_rank(), dist.get_world_size(), len(micro_batches)\n"
+    "inputs, outputs = [], []\n"
+    "for m in range(M):                                   # all forwards\n"
+    "    x = micro_batches[m]\n"
+    "    if r > 0: recv x from rank r - 1; x.requires_grad_()\n"
+    "    y = stage(x)\n"
+    "    if r == n - 1: y = loss_fn(y, targets[m]) / M\n"
+    "    else: send y.detach() to rank r + 1\n"
+    "    inputs.append(x); outputs.append(y)\n"
+    "for m in reversed(range(M)):                         # all backwards, last micro-batch first\n"
+    "    if r == n - 1: outputs[m].backward()\n"
+    "    else: grad = empty like outputs[m]; recv grad from rank r + 1; outputs[m].backward(grad)\n"
+    "    if r > 0: send inputs[m].grad to rank r - 1\n"
+    "return sum(outputs).detach() if r == n - 1 else None",
 )
 
 
@@ -309,4 +336,4 @@ def summary(records: dict[int, list[list[Case]]]) -> str:
 
 
 EXERCISE = Exercise("gpipe_schedule", DESCRIPTION, on_rank, judge, summary, gpipe_schedule, stub, world_sizes=(2, 3),
-                    allowed_world_sizes=(2, 3, 4))
+                    allowed_world_sizes=(2, 3, 4), hints=HINTS)

@@ -44,13 +44,30 @@ LR = 0.1
 TOL = 1e-5
 
 DESCRIPTION = (
-    "Write fn(model: torch.nn.Module) -> None. Every rank holds the same model; the checker calls fn on every rank "
-    "right after loss.backward() on that rank's shard of the global batch (equal shards), then takes a plain SGD "
-    "step. fn must leave every parameter's p.grad equal, on every rank, to the gradient of the whole global batch's "
-    "mean loss: the mean of the ranks' gradients (all_reduce each p.grad, which sums, then divide by "
-    "dist.get_world_size()). Change only the gradients, not the parameters. Checked at world sizes 2, 3 and 4 over "
-    f"{STEPS} steps of a small MLP: every rank's gradients after fn, and the parameters after every step, against "
-    f"one process training on the whole batch (within {TOL:g}); and that the ranks communicated."
+    "Write fn(model: torch.nn.Module) -> None that makes every rank's gradients the global batch's, as "
+    "DistributedDataParallel does. Every rank holds the same model; the checker calls fn on every rank right after "
+    "loss.backward() on that rank's shard of the global batch (equal shards, each loss the mean over its own "
+    "shard), then takes a plain SGD step. fn must leave every parameter's p.grad equal, on every rank, to the "
+    "gradient of the whole global batch's mean loss, as one process on the whole batch would compute it. Rules: "
+    "change only the gradients, not the parameters; any torch.distributed calls may be used. Checked at world "
+    f"sizes 2, 3 and 4 over {STEPS} steps of a small MLP: every rank's gradients after fn, and the parameters after "
+    f"every step, against one process training on the whole batch (within {TOL:g}); and that the ranks "
+    "communicated."
+)
+
+HINTS = (
+    "With equal shards, the global batch's mean-loss gradient is the mean of the ranks' own gradients. So combine "
+    "each parameter's gradient across the ranks, and turn the total into a mean.",
+
+    "dist.all_reduce(p.grad) sums p.grad over all ranks, in place, and leaves the sum on every rank (a sum is its "
+    "default op, dist.ReduceOp.SUM). Divide by dist.get_world_size() afterwards, in place (p.grad.div_(...)). "
+    "Skip any parameter whose p.grad is None.",
+
+    "n = dist.get_world_size()\n"
+    "for p in model.parameters():\n"
+    "    if p.grad is None: continue\n"
+    "    all_reduce p.grad          # now the sum of the n ranks' gradients, on every rank\n"
+    "    p.grad /= n                # the sum becomes the mean: the global batch's gradient",
 )
 
 
@@ -182,4 +199,4 @@ def summary(records: dict[int, list[list[Step]]]) -> str:
             + "; ".join(per_n) + ".")
 
 
-EXERCISE = Exercise("naive_ddp", DESCRIPTION, on_rank, judge, summary, naive_ddp, stub)
+EXERCISE = Exercise("naive_ddp", DESCRIPTION, on_rank, judge, summary, naive_ddp, stub, hints=HINTS)

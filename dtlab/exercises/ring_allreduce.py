@@ -45,16 +45,41 @@ RTOL = ATOL = 1e-5
 
 DESCRIPTION = (
     "Write fn(t: torch.Tensor) -> None that sums the 1-D float32 tensor t over all ranks, in place: every rank "
-    "ends with the sum in t. Use only point-to-point calls (dist.send, dist.recv, dist.isend, dist.irecv, "
-    "dist.batch_isend_irecv; no collective, not even a barrier), in a ring: rank r sends only to (r + 1) % n and "
-    "receives only from (r - 1) % n (rank and n from dist.get_rank() and dist.get_world_size()). Split t into n "
-    "chunks with t.tensor_split(n) (the length need not divide by n); run n - 1 reduce-scatter rounds (round s: "
-    "send chunk (r - s) % n to the right, add the chunk received from the left into chunk (r - s - 1) % n), then "
-    "n - 1 all-gather rounds (round s: send chunk (r + 1 - s) % n, overwrite chunk (r - s) % n with the one "
-    "received), so that each rank sends 2(n - 1)/n of the tensor's bytes. gloo's send waits for its receiver: post "
-    "each round's send and receive together with dist.batch_isend_irecv and wait on both. Checked at world sizes "
-    f"2, 3 and 4 with {', '.join(map(str, LENGTHS))} elements: the sums on every rank, the peer of every transfer, "
-    "and the bytes each rank sends."
+    "ends with the sum in t, the way NCCL and gloo run all_reduce. Rules: only point-to-point calls (dist.send, "
+    "dist.recv, dist.isend, dist.irecv, dist.batch_isend_irecv; no collective, not even a barrier), in a ring: rank "
+    "r sends only to (r + 1) % n and receives only from (r - 1) % n (rank and n from dist.get_rank() and "
+    "dist.get_world_size()); and each rank sends 2(n - 1)/n of the tensor's bytes, no more, which is what makes "
+    "the ring bandwidth-optimal (passing the whole tensor round the ring is too much). The length of t need not "
+    "divide by n. Checked at world sizes 2, 3 and 4 with "
+    f"{', '.join(map(str, LENGTHS))} elements: the sums on every rank (within {RTOL:g}), the peer of every "
+    "transfer, and the bytes each rank sends (for L elements, between 2(n - 1)·⌊L/n⌋ and 2(n - 1)·⌈L/n⌉ "
+    "elements' worth)."
+)
+
+HINTS = (
+    "Cut t into n chunks and let them travel round the ring. In a first phase (a reduce-scatter) every chunk "
+    "collects one rank's contribution per hop, so that after n - 1 rounds each rank holds one chunk fully summed; "
+    "in a second phase (an all-gather) the finished chunks go round once more, n - 1 rounds, until every rank has "
+    "all of them. In each round every rank sends one chunk and receives one.",
+
+    "chunks = t.tensor_split(n) gives n views into t: writing a chunk writes t, and lengths that do not divide by "
+    "n are fine. In each round send one chunk to right = (rank + 1) % n while receiving one from left = "
+    "(rank - 1) % n, both at once: dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, right), "
+    "dist.P2POp(dist.irecv, incoming, left)]), then .wait() on every work it returns. gloo's send waits until its "
+    "receiver is there, so a plain dist.send on every rank at the same time deadlocks. In the reduce-scatter "
+    "receive into torch.empty_like(chunk) and .add_() it into your chunk; in the all-gather receive straight into "
+    "the chunk it replaces.",
+
+    "r, n = dist.get_rank(), dist.get_world_size()\n"
+    "chunks = t.tensor_split(n)\n"
+    "right, left = (r + 1) % n, (r - 1) % n\n"
+    "for s in range(n - 1):                      # reduce-scatter\n"
+    "    incoming = empty like chunks[(r - s - 1) % n]\n"
+    "    exchange: send chunks[(r - s) % n] to right, receive incoming from left, wait for both\n"
+    "    chunks[(r - s - 1) % n] += incoming\n"
+    "# rank r now holds the full sum of chunk (r + 1) % n\n"
+    "for s in range(n - 1):                      # all-gather\n"
+    "    exchange: send chunks[(r + 1 - s) % n] to right, receive into chunks[(r - s) % n] from left, wait",
 )
 
 
@@ -215,4 +240,4 @@ def summary(records: dict[int, list[list[Case]]]) -> str:
             f"({nbytes:,} bytes): " + "; ".join(per_n) + ".")
 
 
-EXERCISE = Exercise("ring_allreduce", DESCRIPTION, on_rank, judge, summary, ring_allreduce, stub)
+EXERCISE = Exercise("ring_allreduce", DESCRIPTION, on_rank, judge, summary, ring_allreduce, stub, hints=HINTS)

@@ -61,10 +61,9 @@ DESCRIPTION = (
 )
 
 HINTS = (
-    "Keep the queries; let the K/V blocks travel. In round 0 each rank attends to its own block, then passes it on "
-    "and attends to the one that arrives. The softmax of a whole row can be built block by block if each row "
-    "remembers three things: the largest score seen so far, the sum of exp(score - that maximum), and the output "
-    "weighted the same way. When a block brings a larger maximum, rescale what you kept to it; divide at the end.",
+    "Keep the queries; let the K/V blocks travel, attending to each as it arrives. A row's softmax can be built "
+    "block by block if the row remembers the largest score seen so far, the sum of exp(score - that maximum) and "
+    "the output weighted the same way; rescale what you kept when a larger maximum comes.",
     "dist.get_rank(), dist.get_world_size(); torch.stack([k, v]) to send both in one message; "
     "dist.P2POp(dist.isend, kv, (r + 1) % n) and dist.P2POp(dist.irecv, incoming, (r - 1) % n) with "
     "torch.empty_like(kv), dist.batch_isend_irecv(ops) and .wait() on each work it returns; "

@@ -55,18 +55,42 @@ MAX_TRAFFIC = 1.25  # times the parameters' bytes, per rank and step (padding an
 
 DESCRIPTION = (
     "Write fn(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: float) -> None: one Adam "
-    "step under ZeRO stage 1. Every rank gets the same parameters (update them in place) and the same, already "
-    "averaged, gradients; state is this rank's own dict, empty at the first call and the same object at every "
-    "later one: keep all optimizer state in it (the checker weighs it). Each rank owns about 1/n of the "
-    "parameters -- say parameter i belongs to rank i % n (n = dist.get_world_size()); any split that shares the "
-    "state out passes -- keeps m and v only for those, and updates only those, as torch.optim.Adam does: with t "
-    "the step count from 1, m = b1*m + (1 - b1)*g, v = b2*v + (1 - b2)*g*g, p -= lr * m_hat / (sqrt(v_hat) + eps), "
-    "m_hat = m / (1 - b1**t), v_hat = v / (1 - b2**t), b1 = 0.9, b2 = 0.999, eps = 1e-8. Then every parameter goes "
-    "from its owner to every rank: dist.broadcast(params[i], src=i % n) (or all_gather the updated shards). "
-    f"Checked at world sizes 2, 3 and 4 over {STEPS} steps with {len(SHAPES)} parameters of about 40 elements: the "
-    f"parameters on every rank against torch.optim.Adam on one process (within {TOL:g}); each rank's state (about "
-    "1/n of Adam's m and v: at most 1/n of m, v and a copy of the parameters, plus one largest parameter's); and "
-    "the communication (broadcasts or all-gathers only, carrying about the parameters' bytes per step)."
+    "step under ZeRO stage 1, the optimizer state sharded over the ranks. Every rank gets the same parameters "
+    "(update them in place) and the same, already averaged, gradients; state is this rank's own dict, empty at "
+    "the first call and the same object at every later one: keep all optimizer state in it (the checker weighs "
+    "it). After fn, every rank's parameters must be what torch.optim.Adam (betas (0.9, 0.999), eps 1e-8) gives "
+    "on one process: with t the step count from 1, m = b1*m + (1 - b1)*g, v = b2*v + (1 - b2)*g*g, m_hat = m / "
+    "(1 - b1**t), v_hat = v / (1 - b2**t), p -= lr * m_hat / (sqrt(v_hat) + eps). Rules: a rank's state holds "
+    "only its share, about 1/n of Adam's m and v (n = dist.get_world_size(); how the state is split is up to "
+    "you), so no rank can run full Adam on every parameter; the only calls are broadcasts and all-gathers "
+    "(dist.broadcast, dist.all_gather, dist.all_gather_into_tensor; a barrier is allowed too), carrying about the "
+    f"parameters' bytes per step, at most {MAX_TRAFFIC:g}× them. Checked at world sizes 2, 3 and 4 over {STEPS} "
+    f"steps with {len(SHAPES)} parameters of about 40 elements: the parameters on every rank against "
+    f"torch.optim.Adam on one process (within {TOL:g}); each rank's state (at most 1/n of m, v and a copy of the "
+    "parameters, plus one largest parameter's); and the communication (its kind, and its bytes per step)."
+)
+
+HINTS = (
+    "Give every parameter one owner rank. Each rank runs Adam only on the parameters it owns, keeping their m and v "
+    "and nothing else; then every owner hands its freshly updated parameters to all the other ranks, so that every "
+    "rank ends the step with every parameter updated.",
+
+    "rank, n = dist.get_rank(), dist.get_world_size(). A simple split is round-robin: rank r owns parameter i when "
+    "i % n == r, that is range(rank, len(params), n). Keep a step count in state (state['t']) and, per owned "
+    "parameter, state[i] = {'m': torch.zeros_like(p), 'v': torch.zeros_like(p)}, created at the first call. "
+    "Update in place: m.mul_(b1).add_(g, alpha=1 - b1), v.mul_(b2).addcmul_(g, g, value=1 - b2), "
+    "params[i].sub_(lr * m_hat / (v_hat.sqrt() + eps)). Then, for every i, dist.broadcast(params[i], src=i % n): "
+    "the owner sends, every other rank receives into its own copy. (Another design: each rank owns a contiguous "
+    "slice of the flattened parameters and dist.all_gather_into_tensor collects the updated slices.)",
+
+    "r, n = dist.get_rank(), dist.get_world_size()\n"
+    "t = state['t'] = state.get('t', 0) + 1\n"
+    "for i in range(r, len(params), n):          # the parameters rank r owns\n"
+    "    m, v = state[i] (zeros like params[i] at the first step)\n"
+    "    m = b1*m + (1 - b1)*grads[i];  v = b2*v + (1 - b2)*grads[i]**2      (in place)\n"
+    "    params[i] -= lr * (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)\n"
+    "for i, p in enumerate(params):\n"
+    "    broadcast p from its owner, rank i % n, to every rank",
 )
 
 
@@ -263,4 +287,4 @@ def summary(records: dict[int, list[Record]]) -> str:
             f"{moved:,} bytes per step ({moved / PARAM_BYTES:.2f}× the parameters' {PARAM_BYTES:,} bytes).")
 
 
-EXERCISE = Exercise("zero1_step", DESCRIPTION, on_rank, judge, summary, zero1_step, stub)
+EXERCISE = Exercise("zero1_step", DESCRIPTION, on_rank, judge, summary, zero1_step, stub, hints=HINTS)

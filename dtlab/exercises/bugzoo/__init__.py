@@ -15,7 +15,8 @@ the CommRecorder on and a short collective timeout, so a hang ends in seconds
 with dtlab's last-collective-per-rank table. A check judges what the ranks
 did -- their optimizer steps, the samples they read, their collectives and
 when they entered them -- never the source. ``solution(name)`` is the
-reference fix.
+reference fix. Every verdict is added to ``results/progress.jsonl``:
+``exercises.progress()`` shows which bugs are fixed and which are not yet.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from dtlab.core.failures import RankError
 from dtlab.core.results import RunResult
 from dtlab.exercises._check import CheckResult, failure_feedback
+from dtlab.exercises._progress import record
 from dtlab.exercises.bugzoo import rank_branch, seed, set_epoch, straggler, uneven_batches, unused_parameter
 from dtlab.exercises.bugzoo._zoo import Bug, RankRun, as_run_result, launch_program
 from dtlab.exercises.bugzoo._zoo import check as _check
@@ -132,16 +134,20 @@ def _symptom(bug: Bug, ranks: list[RankRun]) -> str:
 def check(name: str, fixed: Callable[..., Any] | int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> CheckResult:
     """Run ``fixed`` (your ``train(info)``) at the bug's world sizes and judge what the ranks did.
 
-    For ``straggler``, ``fixed`` may also be a rank: your answer to "which rank is slow?".
+    For ``straggler``, ``fixed`` may also be a rank: your answer to "which rank is slow?". The verdict is
+    added to ``results/progress.jsonl``: ``exercises.progress()`` lists every bug, passed or not yet.
     """
     bug = _bug(name)
     if name == "straggler" and isinstance(fixed, int) and not isinstance(fixed, bool):
         ranks = launch_program(bug.buggy, 2, timeout_s)
         passed, feedback = straggler.judge_answer(fixed, ranks)
-        return CheckResult(name, passed, feedback)
-    if not callable(fixed):
+        result = CheckResult(name, passed, feedback)
+    elif not callable(fixed):
         raise TypeError(f"check({name!r}, fixed) needs your train(info) function; got {fixed!r}")
-    return _check(bug, fixed, timeout_s)
+    else:
+        result = _check(bug, fixed, timeout_s)
+    record("bug", name, result.passed)
+    return result
 
 
 __all__ = ["CheckResult", "ZooRun", "check", "describe", "names", "program", "run", "solution",
