@@ -13,11 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
+import torch
 
+from dtlab.analysis.estimate.tensor_parallel import tp_locals
+from dtlab.core import models
+from dtlab.core.comm import bus_factor
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
 
-__all__ = ["by_op_and_bytes", "recorded_per_step", "textbook_collectives", "tp_bytes_per_step"]
+__all__ = ["by_op_and_bytes", "bytes_by_formula", "recorded_per_step", "sent_bytes_per_step", "textbook_collectives",
+           "tp_bytes_per_step"]
 
 FLOAT = 4  # bytes of an fp32 activation
 
@@ -85,3 +90,32 @@ def tp_bytes_per_step(table: pd.DataFrame) -> int:
 def by_op_and_bytes(table: pd.DataFrame) -> dict[tuple[str, int], Any]:
     """``textbook_collectives`` summed per (op, bytes), to compare with ``recorded_per_step``."""
     return table.groupby(["op", "bytes"])["calls"].sum().to_dict()
+
+
+def sent_bytes_per_step(table: pd.DataFrame, n: int) -> float:
+    """What each of ``n`` ranks sends per step with ring algorithms, for a ``textbook_collectives`` table:
+    nccl-tests' bus factor of each op's size (2(n-1)/n for an all-reduce, (n-1)/n for a gather or scatter)."""
+    factors = [bus_factor(op, n) for op in table["op"]]
+    return float((table["calls"] * table["bytes"] * factors).sum())
+
+
+def bytes_by_formula(cfg: RunConfig, vocab: int = 0, input_features: int = 64,
+                     classes: int = 10) -> dict[str, tuple[float, float]]:
+    """By formula, per step and rank for ``cfg``'s model on ``cfg.world_size`` ranks: (bytes communicated,
+    counted as op sizes; parameter bytes held) under ``"ddp"``, ``"fsdp"`` and ``"tp"``.
+
+    With P the parameter bytes and n ranks: DDP all-reduces every gradient once (P) and holds P; FSDP2
+    all-gathers the parameters before forward and before backward and reduce-scatters the gradients (3 P),
+    holding P / n; TP issues ``textbook_collectives`` and holds rank 0's share under the tp plan (the larger
+    piece of each split dimension). ``cfg``: a ``tp`` job; the other arguments as ``textbook_collectives``.
+    """
+    if cfg.tier != "tp":
+        raise ValueError(f"bytes_by_formula: a tp job's config, not tier {cfg.tier!r}")
+    shape, outputs = ((SEQ_LEN,), vocab) if cfg.model == "charformer" else ((input_features,), classes)
+    with torch.device("meta"):  # shapes only: no memory for the weights
+        model = models.build(cfg.model, shape, outputs, cfg.model_size, cfg.model_depth)
+    p = sum(t.numel() * t.element_size() for t in model.parameters())
+    local = tp_locals(model, cfg.tier_options, cfg.world_size, 0).values()
+    tp_params = sum(t.numel() * t.element_size() for t in local)
+    tp_comm = tp_bytes_per_step(textbook_collectives(cfg, vocab, input_features, classes))
+    return {"ddp": (p, p), "fsdp": (3 * p, p / cfg.world_size), "tp": (tp_comm, tp_params)}
