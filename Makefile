@@ -47,7 +47,7 @@ book: $(STAMP)
 	$(PY) -m dtlab.app.book --out build/book
 
 bench: $(STAMP)
-	$(PY) -m dtlab bench --out results/bench --readme
+	$(PY) -m dtlab bench --out results/bench --docs
 
 clean:
 	rm -rf results build .pytest_cache

@@ -36,22 +36,31 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     assert (tmp_path / "summary.md").read_text().count("\n| `") == len(rows)
 
 
-def test_readme_table_is_regenerated_between_the_markers(tmp_path):
-    from dtlab.app.bench import README_BEGIN, README_END, update_readme
+def test_bench_table_is_regenerated_between_the_markers(tmp_path):
+    from dtlab.app.bench import BENCH_BEGIN, BENCH_END, update_doc
 
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{README_BEGIN}\nold table\n{README_END}\n\nafter\n")
-    update_readme(readme, "| new | table |\n")
-    assert readme.read_text() == f"# x\n\n{README_BEGIN}\n| new | table |\n{README_END}\n\nafter\n"
-    readme.write_text("no markers")
+    page = tmp_path / "measurement.md"
+    page.write_text(f"# x\n\n{BENCH_BEGIN}\nold table\n{BENCH_END}\n\nafter\n")
+    update_doc(page, "| new | table |\n")
+    assert page.read_text() == f"# x\n\n{BENCH_BEGIN}\n| new | table |\n{BENCH_END}\n\nafter\n"
+    page.write_text("no markers")
     with pytest.raises(ValueError, match="no <!-- bench:begin -->"):
-        update_readme(readme, "t")
+        update_doc(page, "t")
 
 
-def test_readme_needs_the_full_run():
+def test_the_bench_table_lives_in_the_measurement_page():
+    from dtlab.app.bench import BENCH_BEGIN, BENCH_DOC, BENCH_END
+
+    assert BENCH_DOC.name == "measurement.md" and BENCH_DOC.parent.name == "docs"
+    text = BENCH_DOC.read_text()
+    assert text.index(BENCH_BEGIN) < text.index(BENCH_END)
+
+
+@pytest.mark.parametrize("flag", ["--docs", "--readme"])
+def test_the_docs_table_needs_the_full_run(flag):
     from dtlab.app.cli import main
 
-    assert main(["bench", "--quick", "--readme"]) == 2
+    assert main(["bench", "--quick", flag]) == 2
 
 
 def _common():

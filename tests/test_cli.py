@@ -98,6 +98,20 @@ def test_bad_input_is_one_line_and_exit_code_2_before_any_run(argv, message, cap
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--device", "cuda"], "--device: RunConfig.device='cuda' is invalid on this machine"),
+    (["run", "--backend", "nccl"], "--backend: RunConfig.backend='nccl' is invalid on this machine"),
+    (["compare", "--tiers", "ddp", "--device", "cuda"], "--device: RunConfig.device='cuda' is invalid"),
+])
+def test_cuda_on_a_machine_without_it_is_one_line_before_any_process(argv, message, monkeypatch, capsys,
+                                                                      nothing_runs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA, on whatever machine runs this
+    assert main([*argv, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_a_bad_flag_value_is_one_line_too(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--steps", "x"])

@@ -74,6 +74,27 @@ def test_cli_json_has_the_documented_keys(capsys):
     assert len(out["per_rank"]) == 2 and out["step_ms"] is None
 
 
+def test_cli_json_has_memory_max_over_ranks_each_kinds_own_maximum(capsys):
+    # a charformer pipeline: stage 0 holds more parameters, stage 1 more activations
+    assert main(["estimate", "--tier", "pipeline", "--world-size", "2", "--model", "charformer", "--dataset", "text",
+                 "--model-size", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ranks = [r["memory"] for r in out["per_rank"]]
+    assert out["memory_max_over_ranks"] == {k: max(m.get(k, 0) for m in ranks) for k in KINDS}
+    assert out["memory_max_over_ranks"] != out["memory"]  # not one rank's breakdown, which "memory" stays
+    assert set(out["memory"]) == set(KINDS)
+
+
+@pytest.mark.slow
+def test_memory_max_over_ranks_lines_up_with_result_json_by_name(no_survivors):
+    cfg = RunConfig(tier="zero", world_size=2, steps=2, global_batch_size=32)  # ranks differ in optimizer_state
+    predicted = json.loads(estimate(cfg).to_json())["memory_max_over_ranks"]
+    measured = run(cfg, progress=False).summary()["memory_max_over_ranks"]
+    assert set(predicted) == set(KINDS) and set(predicted) <= set(measured)
+    for kind, want in predicted.items():
+        assert abs(want - measured[kind]) <= 0.01 * measured[kind], (kind, want, measured[kind])
+
+
 def test_cli_predicts_the_step_on_a_given_link_and_names_a_bad_one(capsys):
     assert main(["estimate", "--tier", "ddp", "--world-size", "2", "--model-size", "64", "--link", "1000:80",
                  "--json"]) == 0

@@ -63,7 +63,8 @@ import pandas as pd
 
 from dtlab.analysis import collectives, costmodel
 from dtlab.core.config import RunConfig
-from dtlab.plots.crossover import crossing
+from dtlab.plots import save
+from dtlab.plots.crossover import crossing, speedup_curve
 from dtlab.train import run
 
 __all__ = ["COLUMNS", "DEFAULT_WIDTHS", "QUICK_WIDTHS", "baseline_text", "calibrate_link", "closest_approach",
@@ -330,9 +331,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     frame = speedup_sweep(widths, world_size=args.world_size, global_batch=args.global_batch,
                           steps=args.steps or (QUICK_STEPS if args.quick else STEPS),
                           rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), progress=True)
-    from dtlab.plots import save
-    from dtlab.plots.crossover import speedup_curve
-
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "crossover.csv", index=False)
     png = save(speedup_curve(frame), args.out / "crossover.png")

@@ -3,8 +3,8 @@
 Each benchmark prints ``NAME: measured RATIO (target ...) pass|MISS -- detail``;
 this runner runs them one after another (never two at once: they would disturb
 each other's timings), parses those lines and writes ``summary.csv`` and
-``summary.md`` with the date and the machine; ``--readme`` puts that table into
-the README between its ``bench:begin`` and ``bench:end`` markers.
+``summary.md`` with the date and the machine; ``--docs`` puts that table into
+``docs/measurement.md`` between its ``bench:begin`` and ``bench:end`` markers.
 """
 
 from __future__ import annotations
@@ -99,16 +99,17 @@ def write_summary(out: Path, rows: list[dict[str, str]], quick: bool) -> None:
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
-README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+BENCH_BEGIN, BENCH_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+BENCH_DOC = BENCH_DIR.parent / "docs" / "measurement.md"  # the page whose benchmark table ``--docs`` rewrites
 
 
-def update_readme(readme: Path, summary_md: str) -> None:
-    """Replace what lies between the README's bench markers with ``summary_md`` (written atomically)."""
-    text = readme.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
+def update_doc(path: Path, summary_md: str) -> None:
+    """Replace what lies between the page's bench markers with ``summary_md`` (written atomically)."""
+    text = path.read_text()
+    start, end = text.find(BENCH_BEGIN), text.find(BENCH_END)
     if start < 0 or end < start:
-        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} section to regenerate")
-    new = text[:start + len(README_BEGIN)] + "\n" + summary_md.strip() + "\n" + text[end:]
-    tmp = readme.with_name(readme.name + ".tmp")
+        raise ValueError(f"{path} has no {BENCH_BEGIN} ... {BENCH_END} section to regenerate")
+    new = text[:start + len(BENCH_BEGIN)] + "\n" + summary_md.strip() + "\n" + text[end:]
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(new)
-    tmp.replace(readme)
+    tmp.replace(path)

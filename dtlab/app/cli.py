@@ -15,9 +15,11 @@ from typing import Any
 from dtlab import exercises, plots, tiers
 from dtlab.analysis import estimate
 from dtlab.analysis.compare import compare, figures, format_table
-from dtlab.app.bench import run_all, update_readme
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.app.bench import BENCH_DOC, run_all, update_doc
 from dtlab.core import options
 from dtlab.core.config import RunConfig
+from dtlab.core.env import resolve_backend
 from dtlab.core.results import RunResult
 from dtlab.launch import cluster
 from dtlab.train import preflight, run
@@ -126,6 +128,9 @@ def save_result(result: RunResult, out: str | os.PathLike[str]) -> tuple[Path, b
 
 
 def _preflight(cfg: RunConfig) -> None:
+    # Each rank resolves backend and device itself, in its own process: a CUDA device this machine lacks would
+    # end there, in a rank's traceback. RunConfig cannot check it (a cluster job is planned on another machine).
+    resolve_backend(cfg.backend, cfg.device)
     try:
         preflight(cfg)
     except OSError as exc:  # a probe that could not even look: one line, as for a failed check
@@ -203,8 +208,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     only = [n.strip() for n in args.only.split(",")] if args.only else None
-    if args.readme and (args.quick or only):
-        print("error: --readme needs the full run of every benchmark (no --quick, no --only)", file=sys.stderr)
+    if args.docs and (args.quick or only):
+        print("error: --docs needs the full run of every benchmark (no --quick, no --only)", file=sys.stderr)
         return 2
     try:
         run_all(Path(args.out), quick=args.quick, only=only)
@@ -212,10 +217,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}/summary.md and summary.csv")
-    if args.readme:
-        readme = Path(__file__).resolve().parents[2] / "README.md"
-        update_readme(readme, (Path(args.out) / "summary.md").read_text())
-        print(f"regenerated the benchmark table in {readme}")
+    if args.docs:
+        update_doc(BENCH_DOC, (Path(args.out) / "summary.md").read_text())
+        print(f"regenerated the benchmark table in {BENCH_DOC}")
     return 0
 
 
@@ -281,8 +285,6 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_link(text: str) -> Any:
     """``--link MBIT[:ALPHA_US]`` as a LinkModel (alpha 50 us if not given); ValueError naming the flag."""
-    from dtlab.analysis.costmodel.links import LinkModel
-
     mbit, _, alpha = text.partition(":")
     try:
         return LinkModel.from_bandwidth(float(mbit), float(alpha or 50) * 1e-6)
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                            "as run)")
     p_est.add_argument("--tier", default="single", help=f"one of {', '.join(tiers.TIERS)}")
     p_est.add_argument("--world-size", type=int, default=1)
-    p_est.add_argument("--json", action="store_true", help="JSON: memory, peak_bytes, step_ms, assumptions, per_rank")
+    p_est.add_argument("--json", action="store_true", help="JSON: memory, memory_max_over_ranks, peak_bytes, step_ms, "
+                       "assumptions, per_rank")
     p_est.add_argument("--link", default="", metavar="MBIT[:ALPHA_US]",
                        help="predict the step time too, on a link of this bandwidth (Mbit/s) and latency (us, "
                             "default 50); compute is timed on this machine")
@@ -350,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="smoke mode: checks each benchmark runs")
     p_bench.add_argument("--only", default="", help="comma-separated benchmark names")
     p_bench.add_argument("--out", default="results/bench", help="output folder")
-    p_bench.add_argument("--readme", action="store_true", help="regenerate README.md's benchmark table")
+    p_bench.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                         help="regenerate the benchmark table in docs/measurement.md (--readme is the same flag)")
     p_bench.set_defaults(func=cmd_bench)
     p_ex = sub.add_parser("exercises", help="list the exercises (write an algorithm, dtlab checks it), or describe one")
     p_ex.add_argument("name", nargs="?", default=None, help="an exercise to describe")

@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import html
 import io
-import json
 import tempfile
 import threading
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from dtlab import plots, tiers
 from dtlab.analysis.elastic import timeline
 from dtlab.analysis.frames import breakdown_frame
 from dtlab.app.guard import guarded
-from dtlab.app.history import HISTORY, load_history, saved_loss_curve
+from dtlab.app.history import HISTORY, SavedRun, load_history, read_runs
 from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
 from dtlab.core import options
 from dtlab.core.config import MODELS, PRECISIONS, RunConfig
@@ -47,6 +46,14 @@ def _png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     return buf.getvalue()
+
+
+def _compare_table(runs: dict[str, SavedRun]) -> str:
+    rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{r.summary['median_step_s'] * 1e3:.2f} ms</td>"
+                   f"<td>{r.summary['samples_per_s']:.0f}</td><td>{r.summary['final_loss']:.4f}</td></tr>"
+                   for name, r in runs.items())
+    return ("<table><tr><th>run</th><th>median step</th><th>samples/s</th><th>final loss</th></tr>"
+            + rows + "</table>")
 
 
 def _table(rows: dict[str, Any]) -> str:
@@ -371,15 +378,15 @@ class Lab:
         if not picked:
             self.compare_out.children = [w.HTML("<i>pick one or more saved runs above</i>")]
             return
-        curves = {name: saved_loss_curve(runs[name]) for name in picked}
-        rows = []
-        for name in picked:
-            s = json.loads((runs[name] / "result.json").read_text())
-            rows.append(f"<tr><td>{name}</td><td>{s['median_step_s'] * 1e3:.2f} ms</td>"
-                        f"<td>{s['samples_per_s']:.0f}</td><td>{s['final_loss']:.4f}</td></tr>")
-        table = ("<table><tr><th>run</th><th>median step</th><th>samples/s</th><th>final loss</th></tr>"
-                 + "".join(rows) + "</table>")
-        self.compare_out.children = [w.HTML(table), w.Image(value=_png(plots.loss_curves(curves)), format="png")]
+        readable, broken = read_runs({name: runs[name] for name in picked})
+        shown: list[w.Widget] = []
+        if readable:
+            shown += [w.HTML(_compare_table(readable)),
+                      w.Image(value=_png(plots.loss_curves({n: r.loss for n, r in readable.items()})), format="png")]
+        if broken:  # named, not fatal: the readable runs are still compared
+            lines = "".join(f"<br>{html.escape(name)}: {html.escape(why)}" for name, why in broken.items())
+            shown.append(w.HTML(f"<span style='color:#b00'>left out, cannot be read:{lines}</span>"))
+        self.compare_out.children = shown
 
 
 def lab(**defaults: Any) -> Lab:

@@ -20,11 +20,13 @@ def resolve_backend(backend: str, device: str) -> tuple[str, str]:
     """Map ``auto`` to nccl+cuda when CUDA is usable, else gloo+cpu."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("RunConfig.device='cuda' but torch sees no CUDA device")
+        raise ValueError("RunConfig.device='cuda' is invalid on this machine: torch sees no CUDA device; "
+                         "use 'cpu' or 'auto'")
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if backend == "nccl" and not use_cuda:
-        raise ValueError("RunConfig.backend='nccl' needs a CUDA device")
+        raise ValueError("RunConfig.backend='nccl' is invalid on this machine: it needs a CUDA device and torch "
+                         "sees none; use 'gloo' or 'auto'")
     return backend, "cuda" if use_cuda else "cpu"
 
 

@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,13 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()]
     return max(diffs, default=0.0)
 
+
+
+def max_per_kind(memories: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Per kind, the most bytes any rank holds (each kind's maximum may come from another rank):
+    ``memory_max_over_ranks`` in a run's summary, and in the estimate's JSON for the prediction."""
+    kinds = list(dict.fromkeys(k for memory in memories for k in memory))
+    return {k: max(memory.get(k, 0) for memory in memories) for k in kinds}
 
 @dataclass
 class RunResult:
@@ -188,7 +196,7 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         cfg = self.config
-        mem_max = {k: max(r.memory.get(k, 0) for r in self.ranks) for k in self.ranks[0].memory}
+        mem_max = max_per_kind([r.memory for r in self.ranks])
         return {
             "tier": cfg.tier,
             "world_size": cfg.world_size,

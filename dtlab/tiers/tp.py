@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dtlab.core.config import RunConfig
-from dtlab.core.data import Dataset
+from dtlab.core.data import SEQ_LEN, Dataset
 from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
 from dtlab.tiers import base
@@ -69,12 +69,9 @@ def validate_model(cfg: RunConfig, tp: int, name: str) -> None:
         field = "sequence_parallel" if o.sequence_parallel else "loss_parallel"
         raise ValueError(f"{name}.{field}=True is invalid with model='mlp': it needs a sequence and a vocabulary "
                          f"head (model='charformer')")
-    if o.sequence_parallel:
-        from dtlab.core.data import SEQ_LEN
-
-        if SEQ_LEN % tp:
-            raise ValueError(f"{name}.sequence_parallel=True is invalid: the sequence ({SEQ_LEN}) does not divide "
-                             f"over {tp} ranks")
+    if o.sequence_parallel and SEQ_LEN % tp:
+        raise ValueError(f"{name}.sequence_parallel=True is invalid: the sequence ({SEQ_LEN}) does not divide "
+                         f"over {tp} ranks")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -17,6 +17,7 @@ import time
 
 from dtlab.core import registry
 from dtlab.core.config import RunConfig
+from dtlab.core.env import resolve_backend
 from dtlab.core.registry import AgentPlan, TierSpec
 from dtlab.core.results import RunResult
 from dtlab.launch import netns
@@ -29,6 +30,7 @@ from dtlab.train.loop import train
 
 def preflight(cfg: RunConfig) -> None:
     """Every check that looks at the machine (files, namespaces), before any process starts."""
+    resolve_backend(cfg.backend, cfg.device)  # --device cuda / --backend nccl on a machine without CUDA
     spec = registry.get(cfg.tier)
     spec.preflight(cfg)
     if spec.agents is not None:
@@ -42,6 +44,7 @@ def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forks
     ``record=False`` switches the CommRecorder off (to measure its overhead);
     setting ``stop`` from another thread ends the run (``LaunchStopped``).
     """
+    resolve_backend(cfg.backend, cfg.device)  # a device this machine lacks fails here, not in every rank
     spec = registry.get(cfg.tier)
     spec.preflight(cfg)  # the network is resolved (and checked) once, by _run_torchrun, before any agent starts
     if spec.launcher == "torchrun":

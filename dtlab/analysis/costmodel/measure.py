@@ -174,7 +174,8 @@ def compute_together(cfg: Any, copies: int) -> dict[str, Any]:
     """``run_numbers``' columns for a ``single`` RunConfig timed in ``copies`` processes at once: dtlab's loop
     in each (``estimate.probe.loop_phases``), the slowest copy's phases. On two cores two ranks' compute
     side by side takes longer than one alone, and a DDP step at n is n ranks computing side by side."""
-    from dtlab.analysis.estimate.probe import TIMED_STEPS, loop_phases  # estimate imports costmodel: not at load
+    # deferred: import cycle: dtlab.analysis.estimate imports costmodel's links, linkset, busy and step at load
+    from dtlab.analysis.estimate.probe import TIMED_STEPS, loop_phases
 
     phases = loop_phases(cfg, copies)
     return {"tier": cfg.tier, "world_size": cfg.world_size, "per_rank_batch": cfg.per_rank_batch,

@@ -8,6 +8,8 @@ torch's fake backend in child processes (``probe``: no peers, collectives free).
 What comes back (``Estimate``):
 
 * ``memory``: kind -> bytes on the rank that needs the most (``per_rank`` has every rank);
+* ``memory_max_over_ranks``: kind -> the most bytes of that kind on any rank, each kind's own maximum
+  (``result.json``'s key of the same name, so prediction and measurement line up by name);
 * ``peak_bytes``: that rank's kinds added up -- an upper bound on what it holds at once,
   since activations are freed during backward while gradients fill in;
 * ``step_ms``: the predicted step time where the cost model covers the tier, else None;
@@ -33,11 +35,17 @@ from dtlab.analysis.estimate import step
 from dtlab.analysis.estimate.memory import RankMemory, per_rank
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job
-from dtlab.core.results import RunResult
+from dtlab.core.results import RunResult, max_per_kind
 
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers")
 
-__all__ = ["KINDS", "Estimate", "compare", "estimate"]
+__all__ = ["KINDS", "Estimate", "compare", "estimate", "max_over_ranks"]
+
+
+def max_over_ranks(ranks: list[RankMemory]) -> dict[str, int]:
+    """Per kind, the most bytes any rank needs: ``RunResult.summary()``'s ``memory_max_over_ranks``, predicted.
+    Unlike ``Estimate.memory`` (one rank's whole breakdown), each kind may come from another rank."""
+    return max_per_kind([{k: r.memory.get(k, 0) for k in KINDS} for r in ranks])
 
 
 @dataclass
@@ -48,8 +56,13 @@ class Estimate:
     assumptions: list[str]
     per_rank: list[RankMemory] = field(repr=False, default_factory=list)
 
+    @property
+    def memory_max_over_ranks(self) -> dict[str, int]:
+        return max_over_ranks(self.per_rank)
+
     def to_json(self) -> str:
-        out = {"memory": self.memory, "peak_bytes": self.peak_bytes, "step_ms": self.step_ms,
+        out = {"memory": self.memory, "memory_max_over_ranks": self.memory_max_over_ranks,
+               "peak_bytes": self.peak_bytes, "step_ms": self.step_ms,
                "assumptions": self.assumptions,
                "per_rank": [dataclasses.asdict(r) | {"total": r.total} for r in self.per_rank]}
         return json.dumps(out, indent=2)

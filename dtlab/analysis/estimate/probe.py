@@ -19,10 +19,18 @@ run it predicts. The fake backend is what torch's own tests use for this (``comp
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from dtlab.analysis.estimate.together import run_together
+from dtlab.core.compat import register_fake_backend
 from dtlab.core.config import RunConfig
+from dtlab.core.env import DistInfo
+from dtlab.launch.rank import call_recorded
+from dtlab.train.loop import train
 
 __all__ = ["Probe", "link_op", "loop_phases", "probe"]
 
@@ -49,16 +57,6 @@ def link_op(op: str) -> str | None:
 
 
 def _measure(cfg: RunConfig, rank: int) -> Probe:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    from dtlab.core.compat import register_fake_backend
-    from dtlab.core.env import DistInfo
-    from dtlab.launch.rank import call_recorded
-    from dtlab.train.loop import train
-
     # FSDP2's all_gather_into_tensor/reduce_scatter_tensor names are deprecated in torch 2.13: not news here
     warnings.filterwarnings("ignore", category=FutureWarning)
     register_fake_backend()

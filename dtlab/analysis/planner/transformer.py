@@ -26,6 +26,9 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from dtlab.core import data as datasets
+from dtlab.core.models import CharFormer
+
 __all__ = ["LLAMA2_70B", "LLAMA2_7B", "MODELS", "RECOMPUTE", "TransformerSpec", "from_charformer", "get"]
 
 RECOMPUTE = ("none", "selective", "full")
@@ -191,9 +194,6 @@ def from_charformer(width: int, depth: int, vocab: int | None = None, seq: int |
     """dtlab's ``charformer`` (``dtlab.core.models.CharFormer``) as a spec; vocabulary and sequence default to
     the shipped text data set's. Its block is GPT's: a 4x LayerNorm MLP with biases, learned positions, and
     no bias on the key projection (see ``docs/determinism.md``)."""
-    from dtlab.core import data as datasets
-    from dtlab.core.models import CharFormer
-
     heads = inspect.signature(CharFormer.__init__).parameters["heads"].default  # what models.build leaves it at
     if vocab is None or seq is None:
         text = datasets.load("text", 0, 0)
