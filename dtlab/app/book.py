@@ -172,7 +172,7 @@ def _github_anchors(page: str) -> str:
     seen: dict[str, int] = {}
 
     def rename(match: re.Match[str]) -> str:
-        level, old, inner = match.group(1), match.group(2), match.group(3)
+        level, inner = match.group(1), match.group(3)
         text = html.unescape(re.sub(r"<[^>]+>", "", inner))
         slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
         count = seen.get(slug, 0)
