@@ -36,7 +36,7 @@ __all__ = ["MAX_TARGET", "MEDIAN_TARGET", "WARMUP_STEPS", "ddp_overhead", "measu
 MEDIAN_TARGET, MAX_TARGET = 0.15, 0.30  # validation targets: median and worst relative error
 # More warm-up than RunResult.steady's default (1), on purpose: step 0 builds DDP's buckets and the next steps
 # still warm caches, which a few-ms step measured against a prediction feels; the cost model's validated errors
-# (README, benchmarks/costmodel_error.py) were measured with 3.
+# (docs/measurement.md, benchmarks/costmodel_error.py) were measured with 3.
 WARMUP_STEPS = 3
 
 
