@@ -421,14 +421,17 @@ def test_other_correct_designs_pass_too(name, fn):
 
 
 @launches_ranks
-@pytest.mark.parametrize("name,says", [("ring_allreduce", "write the ring: split t into n chunks"),
+@pytest.mark.parametrize("name,says", [("ring_allreduce", "write the ring: leave every rank's t holding the sum"),
                                        ("naive_ddp", "average the gradients over the ranks"),
                                        ("bucketed_ddp", "pack the parameters into buckets of at most bucket_bytes"),
-                                       ("zero1_step", "write ZeRO-1: rank r owns the parameters i with i % n == r"),
-                                       ("gpipe_schedule", "write GPipe: all M forwards first")], ids=FUNCTIONS)
+                                       ("zero1_step", "write ZeRO-1: one Adam step"),
+                                       ("gpipe_schedule", "write GPipe: run this rank's stage")], ids=FUNCTIONS)
 def test_the_stub_fails_saying_what_to_write(name, says):
     feedback = exercises.check(name, exercises.stub(name)).feedback
     assert feedback.startswith("World size 2: rank ") and "raised NotImplementedError" in feedback and says in feedback
+    assert f"exercises.hint('{name}')" in feedback
+    for phrase in GIVEAWAYS[name]:  # a learner's first check shows this message: it must not hand over the algorithm
+        assert phrase not in feedback, phrase
     assert f"describe('{name}')" in exercises.stub(name).__doc__
 
 

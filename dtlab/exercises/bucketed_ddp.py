@@ -177,10 +177,9 @@ def bucketed_ddp(model: nn.Module, bucket_bytes: int) -> Callable[[], None]:
 def stub(model: nn.Module, bucket_bytes: int) -> Callable[[], None]:
     """A starting point: replace the body (see ``describe('bucketed_ddp')``)."""
     raise NotImplementedError(
-        "pack the parameters into buckets of at most bucket_bytes, last parameter first; register a hook on each "
-        "(p.register_post_accumulate_grad_hook) that all-reduces its bucket with async_op=True once all of the "
-        "bucket's gradients are in; return finish(), which waits on the works, divides by the world size and copies "
-        "the averages back into p.grad")
+        "pack the parameters into buckets of at most bucket_bytes, communicate each bucket while backward still "
+        "runs, and return finish(), after which every p.grad is the global batch's gradient "
+        "(exercises.hint('bucketed_ddp') when stuck)")
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------

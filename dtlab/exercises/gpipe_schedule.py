@@ -133,10 +133,9 @@ def stub(stage: nn.Module, micro_batches: list[torch.Tensor], targets: list[torc
          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """A starting point: replace the body (see ``describe('gpipe_schedule')``)."""
     raise NotImplementedError(
-        "write GPipe: all M forwards first (receive micro-batch m from rank r - 1 unless r is 0, run the stage, send "
-        "the output to rank r + 1, or on the last rank compute loss_fn(output, targets[m]) / M), then all M "
-        "backwards, last micro-batch first (receive the output's gradient from rank r + 1, output.backward(it), "
-        "send the input's .grad to rank r - 1)")
+        "write GPipe: run this rank's stage on the M micro-batches, forwards and backwards, passing activations and "
+        "their gradients between neighbouring stages, so that the stage's gradients are the whole batch's "
+        "(exercises.hint('gpipe_schedule') when stuck)")
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------

@@ -83,8 +83,8 @@ def naive_ddp(model: nn.Module) -> None:
 def stub(model: nn.Module) -> None:
     """A starting point: replace the body (see ``describe('naive_ddp')``)."""
     raise NotImplementedError(
-        "average the gradients over the ranks: for every parameter p, dist.all_reduce(p.grad) (a sum), then divide "
-        "p.grad by dist.get_world_size()")
+        "average the gradients over the ranks: after this call every p.grad must be the global batch's gradient, "
+        "the same on every rank (exercises.hint('naive_ddp') when stuck)")
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------

@@ -106,8 +106,8 @@ def _exchange(outgoing: torch.Tensor, dst: int, incoming: torch.Tensor, src: int
 def stub(t: torch.Tensor) -> None:
     """A starting point: replace the body with the ring (see ``describe('ring_allreduce')``)."""
     raise NotImplementedError(
-        "write the ring: split t into n chunks (t.tensor_split(n)), run n - 1 reduce-scatter rounds (send a chunk "
-        "to rank r + 1, add the chunk received from rank r - 1), then n - 1 all-gather rounds")
+        "write the ring: leave every rank's t holding the sum of all ranks' t, with point-to-point calls to rank "
+        "r + 1 and from rank r - 1 only (exercises.hint('ring_allreduce') when stuck)")
 
 
 # -- checking ----------------------------------------------------------------------------------------------------

@@ -114,8 +114,8 @@ def zero1_step(params: list[torch.Tensor], grads: list[torch.Tensor], state: dic
 def stub(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: float) -> None:
     """A starting point: replace the body (see ``describe('zero1_step')``)."""
     raise NotImplementedError(
-        "write ZeRO-1: rank r owns the parameters i with i % n == r; keep Adam's m and v for those in state, update "
-        "them, then broadcast every parameter from its owner (dist.broadcast(params[i], src=i % n))")
+        "write ZeRO-1: one Adam step in which each rank keeps Adam's state for its share of the parameters only, "
+        "and every rank ends with all the updated parameters (exercises.hint('zero1_step') when stuck)")
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------
