@@ -30,6 +30,8 @@ GIVEAWAYS = {
     "zero1_step": ("i % n", "owns", "src=", "round-robin"),
     "gpipe_schedule": ("requires_grad_", "/ M", "detach()", "empty_like", "last micro-batch first"),
     "ddp_script": ("init_process_group", "DistributedSampler", "set_epoch", "model.module", "destroy_process_group"),
+    "fsdp_unit": ("full.requires_grad_()", "/ world_size", "the ranks' mean", "resize_(0)"),
+    "tp_mlp": ("SumForward", "SumBackward", "A sum in forward needs none in backward", "clone"),
     "ring_attention": ("largest score seen so far", "rescale", "torch.exp", "amax", "acc / l"),
 }
 
@@ -309,8 +311,8 @@ def gpipe_without_scaling(stage, micro_batches, targets, loss_fn):
 
 # -- the registry and the result (no processes) ------------------------------------------------------------------
 def test_names_list_the_exercises_in_course_order_and_each_is_described():
-    assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "ddp_script",
-                                 "gpipe_schedule", "ring_attention")
+    assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "fsdp_unit",
+                                 "ddp_script", "gpipe_schedule", "tp_mlp", "ring_attention")
     for name in exercises.names():
         text = exercises.describe(name)
         assert "\n" not in text and "Checked at world size" in text
@@ -319,7 +321,7 @@ def test_names_list_the_exercises_in_course_order_and_each_is_described():
             assert callable(exercises.solution(name)) and callable(exercises.stub(name))
     assert "Checked at world sizes 2, 3 and 4" in exercises.describe("ring_allreduce")
     assert "Checked at world sizes 2 and 3" in exercises.describe("gpipe_schedule")
-    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, bucketed_ddp, zero1_step, ddp_script, gpipe"):
+    with pytest.raises(ValueError, match="ring_allreduce, naive_ddp, bucketed_ddp, zero1_step, fsdp_unit, ddp_script"):
         exercises.describe("tree_allreduce")
     with pytest.raises(TypeError, match="needs your function"):
         exercises.check("naive_ddp", "not a function")

@@ -40,10 +40,14 @@ In course order:
 - ``naive_ddp``: make the gradients the global batch's after backward (DDP's maths).
 - ``bucketed_ddp``: DDP's buckets, all-reduced asynchronously while backward still runs.
 - ``zero1_step``: an Adam step with the optimizer state sharded over the ranks (ZeRO stage 1).
-- ``gpipe_schedule``: GPipe's forwards and backwards of M micro-batches over pipeline stages.
+- ``fsdp_unit``: one FSDP unit by hand: the flat sharded parameter gathered for a step, its
+  gradient scattered back, the whole parameter not kept between steps.
 - ``ddp_script``: a whole DistributedDataParallel training script, run by torchrun. Its answer
   is a file, not a function: ``exercises.check("ddp_script", "my_script.py")``; its stub and
   solution are the paths of a starter script and of the reference.
+- ``gpipe_schedule``: GPipe's forwards and backwards of M micro-batches over pipeline stages.
+- ``tp_mlp``: a Megatron MLP pair split over the ranks, its communication in autograd Functions.
+- ``ring_attention``: attention over a sequence split across the ranks, K/V blocks passed in a ring.
 """
 
 from __future__ import annotations
@@ -58,10 +62,12 @@ from dtlab.exercises import (
     bucketed_ddp,
     bugzoo,
     ddp_script,
+    fsdp_unit,
     gpipe_schedule,
     naive_ddp,
     ring_allreduce,
     ring_attention,
+    tp_mlp,
     zero1_step,
 )
 from dtlab.exercises._check import CheckResult, Exercise, ScriptExercise, check_world_sizes, run_check, script_path
@@ -69,7 +75,8 @@ from dtlab.exercises._progress import Progress
 
 _EXERCISES: dict[str, Exercise | ScriptExercise] = {
     ex.name: ex for ex in (ring_allreduce.EXERCISE, naive_ddp.EXERCISE, bucketed_ddp.EXERCISE, zero1_step.EXERCISE,
-                           ddp_script.EXERCISE, gpipe_schedule.EXERCISE, ring_attention.EXERCISE)}
+                           fsdp_unit.EXERCISE, ddp_script.EXERCISE, gpipe_schedule.EXERCISE, tp_mlp.EXERCISE,
+                           ring_attention.EXERCISE)}
 
 
 def _exercise(name: str) -> Exercise | ScriptExercise:
