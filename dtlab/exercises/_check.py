@@ -289,6 +289,22 @@ def sent_bytes(calls: Sequence[Call]) -> int:
     return sum(c.nbytes for c in calls if c.op in SENDS)
 
 
+def off_ring_call(rank: int, n: int, calls: Sequence[Call]) -> tuple[Call, int] | None:
+    """The first send not to rank + 1 or receive not from rank - 1, with its round (its ordinal among the sends,
+    or among the receives); None when every transfer follows the ring."""
+    sends = receives = 0
+    for call in calls:
+        if call.op in SENDS:
+            sends += 1
+            if call.peer != (rank + 1) % n:
+                return call, sends
+        elif call.op in RECEIVES:
+            receives += 1
+            if call.peer != (rank - 1) % n:
+                return call, receives
+    return None
+
+
 def ops_used(calls: Sequence[Call]) -> str:
     """'all_reduce ×4, broadcast ×1': the recorded calls by op, for summaries."""
     counts: dict[str, int] = {}

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from dtlab.exercises._check import (
-    RECEIVES,
     SENDS,
     Call,
     Exercise,
     call_learner,
     ceil_div,
     first_collective,
+    off_ring_call,
     ops_used,
     sent_bytes,
 )
@@ -186,22 +186,18 @@ def _value_hint(c: Case, expected: torch.Tensor, right: torch.Tensor, n: int) ->
 
 def _not_a_ring(case: list[Case], n: int) -> str | None:
     for r, c in enumerate(case):
-        right, left = (r + 1) % n, (r - 1) % n
-        sends = receives = 0
-        for call in c.calls:
-            if call.op in SENDS:
-                sends += 1
-                if call.peer != right:
-                    return (f"rank {r} sent to rank {call.peer} in round {sends} with {c.length} elements; in a "
-                            f"ring, rank r sends only to r + 1 (here rank {right}).")
-            elif call.op in RECEIVES:
-                receives += 1
-                if call.peer is None:
-                    return (f"rank {r} received from any rank (src=None) in round {receives}; in a ring, rank r "
-                            f"receives only from r - 1: name it (here rank {left}).")
-                if call.peer != left:
-                    return (f"rank {r} received from rank {call.peer} in round {receives} with {c.length} "
-                            f"elements; in a ring, rank r receives only from r - 1 (here rank {left}).")
+        found = off_ring_call(r, n, c.calls)
+        if found is None:
+            continue
+        (call, round_), right, left = found, (r + 1) % n, (r - 1) % n
+        if call.op in SENDS:
+            return (f"rank {r} sent to rank {call.peer} in round {round_} with {c.length} elements; in a "
+                    f"ring, rank r sends only to r + 1 (here rank {right}).")
+        if call.peer is None:
+            return (f"rank {r} received from any rank (src=None) in round {round_}; in a ring, rank r "
+                    f"receives only from r - 1: name it (here rank {left}).")
+        return (f"rank {r} received from rank {call.peer} in round {round_} with {c.length} "
+                f"elements; in a ring, rank r receives only from r - 1 (here rank {left}).")
     return None
 
 

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from dtlab.exercises._check import (
-    RECEIVES,
     SENDS,
     Call,
     Exercise,
     call_learner,
     first_collective,
+    off_ring_call,
     ops_used,
     sent_bytes,
 )
@@ -225,15 +225,16 @@ def _close(out: torch.Tensor, candidate: torch.Tensor) -> bool:
 
 def _not_a_ring(case: list[Case], n: int) -> str | None:
     for r, c in enumerate(case):
-        right, left = (r + 1) % n, (r - 1) % n
-        for call in c.calls:
-            if call.op in SENDS and call.peer != right:
-                return (f"rank {r} sent to rank {call.peer} with {c.name}; in a ring, rank r sends only to r + 1 "
-                        f"(here rank {right}).")
-            if call.op in RECEIVES and call.peer != left:
-                whom = "any rank (src=None)" if call.peer is None else f"rank {call.peer}"
-                return (f"rank {r} received from {whom} with {c.name}; in a ring, rank r receives only from r - 1 "
-                        f"(here rank {left}).")
+        found = off_ring_call(r, n, c.calls)
+        if found is None:
+            continue
+        (call, _), right, left = found, (r + 1) % n, (r - 1) % n
+        if call.op in SENDS:
+            return (f"rank {r} sent to rank {call.peer} with {c.name}; in a ring, rank r sends only to r + 1 "
+                    f"(here rank {right}).")
+        whom = "any rank (src=None)" if call.peer is None else f"rank {call.peer}"
+        return (f"rank {r} received from {whom} with {c.name}; in a ring, rank r receives only from r - 1 "
+                f"(here rank {left}).")
     return None
 
 
