@@ -80,13 +80,18 @@ def jupyter_lab(tmp_path):
                 pytest.fail("JupyterLab did not start:\n" + (tmp_path / "jupyter.log").read_text()[-3000:])
             time.sleep(0.5)
     yield url, token, work
+    stop_group(proc)
+    log.close()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """End a server started in a session of its own, with its children: SIGTERM, then SIGKILL after ``grace_s``."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(10)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    log.close()
 
 
 def start_kernel_session(url: str, token: str, notebook: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import _free_port
+from tests.test_browser import _free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,9 +46,4 @@ def test_make_lab_serves_the_notebooks_and_prints_the_url(tmp_path):
             assert url in printed
             assert "start at 00_overview.ipynb" in printed
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc, grace_s=15)
