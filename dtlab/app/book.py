@@ -109,14 +109,16 @@ def execute(notebook: Path, cache: Path = CACHE, timeout_s: int = 600) -> nbform
 
 
 # -- pages ----------------------------------------------------------------------------------------------------
+def heading_of(markdown: str) -> str | None:
+    """The first heading of a markdown text, as plain text (None without one)."""
+    match = re.search(r"^#+\s+(.+)$", markdown, re.MULTILINE)
+    return match.group(1).strip() if match else None
+
+
 def title_of(nb: nbformat.NotebookNode, fallback: str) -> str:
     """The notebook's first markdown heading, as plain text."""
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            match = re.search(r"^#+\s+(.+)$", cell.source, re.MULTILINE)
-            if match:
-                return match.group(1).strip()
-    return fallback
+    headings = (heading_of(cell.source) for cell in nb.cells if cell.cell_type == "markdown")
+    return next((h for h in headings if h), fallback)
 
 
 def without_widgets(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -233,8 +235,7 @@ def build(out: Path, *, root: Path = ROOT, cache: Path = CACHE, execute_missing:
     docs = sorted((root / "docs").glob("*.md"))
     executed = executions(notebooks, cache, execute_missing, say)
     pages = [(f"notebooks/{p.stem}.html", title_of(nb, p.stem)) for p, nb in zip(notebooks, executed)]
-    doc_pages = [(f"docs/{p.stem}.html", title_of(nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell(p.read_text())]), p.stem)) for p in docs]
+    doc_pages = [(f"docs/{p.stem}.html", heading_of(p.read_text()) or p.stem) for p in docs]
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "notebooks").mkdir(parents=True)
