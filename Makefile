@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtlab-installed
 
-.PHONY: demo test test-fast lint bench lab book clean
+.PHONY: demo test test-fast lint bench figures lab book clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ book: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m dtlab bench --out results/bench --docs
+
+# Every figure the README and docs/ show, made again from the current code and copied into docs/figures/
+# (the table of figures and their commands: dtlab/app/figures.py; `python -m dtlab.app.figures --only NAME,...`
+# makes some of them).
+figures: $(STAMP)
+	$(PY) -m dtlab.app.figures
 
 clean:
 	rm -rf results build .pytest_cache

@@ -8,9 +8,9 @@ keeps every rank and kind. Nothing is fitted: the estimator has no parameters.
 World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
 Step time: one link per collective is calibrated on a sweep of that collective at
-world size 2 (``costmodel.calibrate_ops``: all_reduce, all_gather, reduce_scatter,
-broadcast); then in each round what a collective costs beyond the link's price for it
-between a step's compute, slow wake-ups included (``costmodel.with_busy``, after 5 ms and after
+world size 2 (``estimate.calibration``, which the width sweep of ``dtlab.analysis.speedup`` shares:
+all_reduce, all_gather, reduce_scatter, broadcast); then in each round what a collective costs beyond
+the link's price for it between a step's compute, slow wake-ups included (``costmodel.with_busy``, after 5 ms and after
 0.5 ms of compute, on a synthetic job of matrix products and all-reduces, never on a step point;
 measured again each round, as the machine's speed drifts), and every step point is predicted (its
 ranks' compute timed at once in child processes, for fsdp, tp, fsdp-tp and cp on the fake backend;
@@ -37,14 +37,13 @@ from collections.abc import Iterator
 
 import _common as common
 
-from dtlab.analysis import collectives, costmodel
 from dtlab.analysis.estimate import compare, estimate
+from dtlab.analysis.estimate.calibration import RoundLinks, calibrate_link
 from dtlab.core.config import RunConfig
 from dtlab.tiers import pipeline, tp
 from dtlab.train import run
 
 NAME = "estimate_error"
-LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 MODELS = {"mlp": {"model": "mlp", "model_size": 128, "model_depth": 4},
           "cnn": {"model": "cnn", "model_size": 16},
           "charformer": {"model": "charformer", "dataset": "text", "model_size": 32, "model_depth": 4}}
@@ -109,22 +108,11 @@ def step_points(quick: bool) -> dict[str, RunConfig]:
 
 
 def step_errors(args) -> None:
-    sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if args.quick
-                      else (collectives.CALIBRATION_SIZES, 7))
-    sweep = collectives.sweep(2, ops=LINK_OPS, sizes=sizes, repeats=repeats, per_repeat=True)
-    link = costmodel.calibrate_ops(sweep, LINK_OPS, label="gloo loopback, calibrated at n=2")
-    # a synthetic job (matrix products, then an all-reduce), never one of the points below
-    busy_rounds = 3 if args.quick else costmodel.BUSY_ROUNDS
+    link = calibrate_link(2, quick=args.quick)
     print(link.describe(), flush=True)
-    links: dict[int, costmodel.LinkSet] = {}  # per round (-1: the warm-up), measured as the round starts
-
-    def link_for(round_: int) -> costmodel.LinkSet:
-        if round_ not in links:
-            links[round_] = costmodel.with_busy(link, 2, rounds=busy_rounds)
-            what = "warm-up round" if round_ < 0 else f"round {round_ + 1}"
-            print(f"{what}: busy_s {links[round_].busy_s * 1e3:.2f} ms per collective after 5 ms of "
-                  f"compute, {links[round_].busy_short_s * 1e3:.2f} ms after 0.5 ms", flush=True)
-        return links[round_]
+    # busy_s on a synthetic job (matrix products, then an all-reduce), never one of the points below,
+    # measured as each round starts (-1: the warm-up round)
+    link_for = RoundLinks(link, 2, quick=args.quick, log=lambda line: print(line, flush=True))
 
     jobs = step_points(args.quick)
 
@@ -151,15 +139,11 @@ def step_errors(args) -> None:
     worst = max(counted, key=counted.get)
     common.result_line(f"{NAME}.step_median", median, "<= 0.15", quick=args.quick, passed=median <= 0.15,
                        detail=f"{len(counted)} counted points; links: {link.label}; busy_s per round "
-                              f"{busy_text(links, 'busy_s')} ms, after 0.5 ms {busy_text(links, 'busy_short_s')} ms")
+                              f"{link_for.busy_text('busy_s')} ms, after 0.5 ms "
+                              f"{link_for.busy_text('busy_short_s')} ms")
     common.result_line(f"{NAME}.step_worst", counted[worst], "<= 0.30", quick=args.quick,
                        passed=counted[worst] <= 0.30, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
     common.write_csv(args.out / f"{NAME}_steps.csv", out)
-
-
-def busy_text(links: dict[int, costmodel.LinkSet], field: str) -> str:
-    """One busy figure of every measured round, in ms: ``1.97/0.76/...``."""
-    return "/".join(f"{getattr(links[r], field) * 1e3:.2f}" for r in sorted(links) if r >= 0)
 
 
 def main() -> None:

@@ -81,3 +81,17 @@ def test_every_figure_is_shown_somewhere():
     shown = {(page.parent / t.partition("#")[0]).resolve() for page in PAGES for t in _relative_links(page)}
     unshown = [f.name for f in sorted((ROOT / "docs" / "figures").glob("*.png")) if f.resolve() not in shown]
     assert not unshown, f"figures no page shows: {unshown}"
+
+
+def test_every_figure_a_page_shows_has_a_command_that_makes_it():
+    from dtlab.app.figures import FIGURES  # the table `make figures` runs
+
+    shown = {(page.parent / t.partition("#")[0]).resolve().relative_to(ROOT).as_posix()
+             for page in PAGES for t in _relative_links(page) if t.partition("#")[0].endswith(".png")}
+    assert shown, "no page shows a figure"
+    missing = sorted(shown - set(FIGURES))
+    assert not missing, f"figures with no command in dtlab/app/figures.py (make figures): {missing}"
+    pages = "\n".join(page.read_text() for page in PAGES)
+    for path, figure in FIGURES.items():
+        assert (ROOT / path).exists(), f"{path}: in the table of figures, but not in the checkout"
+        assert figure.command in pages, f"{path}: no page gives its command {figure.command!r}"

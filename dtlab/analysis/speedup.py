@@ -20,28 +20,35 @@ not the width. What width changes is everything that does *not* grow like
 w**2: the all-reduce's latency (alpha), DDP's per-step bookkeeping, Python and
 kernel-launch overheads, and the poor FLOP rate of small matrices. The sweep
 measures this as ``compute_ns_per_byte`` (one rank's compute time per
-gradient byte) next to the link's ``beta`` (its time per byte): DDP can only
-pay where the compute saved per byte is larger than the time the link takes
-per byte -- and where one process on all cores leaves compute on the table.
+gradient byte: a ``single`` run at the per-rank batch on a rank's threads)
+next to the link's ``beta`` (its time per byte): DDP can only pay where the
+compute saved per byte is larger than the time the link takes per byte -- and
+where one process on all cores leaves compute on the table.
 
-**The prediction** uses the cost model (``dtlab.analysis.costmodel``): the
-link's alpha and beta come from a short all_reduce sweep at world size n in
-the same run (``collectives.sweep`` then ``costmodel.calibrate``); a DDP step
-is ``predict_ddp_step`` of one rank's compute phases (a ``single`` run at the
-per-rank batch on ``cores // n`` threads), DDP's bucket sizes (from the ddp
-run: a layout, not a time) and DDP's own per-byte overhead (a ``ddp`` run
-against a ``single`` run at world size 1, at the largest width, on a batch no
-other run uses). No measured ddp step time enters a prediction. The model
-assumes each rank has its cores to itself. Gloo's collectives are work for
-those same cores (on loopback the kernel copies every byte too), so where the
-ranks' threads take every core no all-reduce overlaps backward
-(``costmodel.spare_cores``).
+**The prediction** is ``dtlab.estimate``'s step time, the one
+``benchmarks/estimate_error.py`` checks: for each width it predicts the step of
+the ``single`` job and of the ``ddp`` job (``predict_step_s``), and the
+predicted speedup is their ratio. The estimator times the compute as the job's
+ranks run it (dtlab's own loop, in n processes at once for ddp, as the ranks
+share the cores), prices DDP's bucket all-reduces on the link, one after
+another (none overlaps backward where the ranks' threads take every core:
+``costmodel.spare_cores``), adds DDP's gradient copies and, once per step, the
+link's ``busy_s``: what an all-reduce costs beyond its price when the ranks
+compute between collectives, slow wake-ups included. The link is calibrated in
+the same run with the estimator's own calibration (``estimate.calibration``:
+an all_reduce sweep at world size n, then ``busy_s`` measured again as each
+round starts). No measured step time enters a prediction.
 
 Runs are interleaved: each round runs every width (ascending, then
-descending the next round) and, per width, every role in a rotating order,
-so a burst of load from elsewhere slows one round, not one width. A width's
-time is the median over rounds of each run's median steady step
-(``costmodel.WARMUP_STEPS`` steps left out).
+descending the next round) and, per width, every role -- the four measured
+runs and the two predictions -- in a rotating order, so a burst of load from
+elsewhere slows one round, not one width. A run's time is its median steady
+step (``costmodel.WARMUP_STEPS`` steps left out). Per width, the measured
+speedup is the median of the rounds' speedups (their min and max are the
+spread); the prediction's error is the median of the rounds' errors, each
+round's predicted speedup against the same round's measured one (this
+machine's speed drifts between rounds and moves both alike). The target:
+every width within ``TOLERANCE`` (``accuracy``).
 
 ``python -m dtlab.analysis.speedup --out DIR`` runs the sweep and writes
 ``crossover.csv`` and ``crossover.png`` there (``make demo`` does: not ``speedup.*``, which ``compare``
@@ -61,27 +68,33 @@ from typing import Any
 
 import pandas as pd
 
-from dtlab.analysis import collectives, costmodel
+from dtlab.analysis import costmodel
+from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.costmodel.linkset import LinkSet
+from dtlab.analysis.estimate import estimate
+from dtlab.analysis.estimate.calibration import RoundLinks, calibrate_link
 from dtlab.core.config import RunConfig
 from dtlab.plots import save
 from dtlab.plots.crossover import crossing, speedup_curve
 from dtlab.train import run
 
-__all__ = ["COLUMNS", "DEFAULT_WIDTHS", "QUICK_WIDTHS", "baseline_text", "calibrate_link", "closest_approach",
-           "crossover", "format_table", "main", "speedup_sweep", "verdict"]
+__all__ = ["COLUMNS", "DEFAULT_WIDTHS", "QUICK_WIDTHS", "TOLERANCE", "accuracy", "baseline_text",
+           "closest_approach", "crossover", "format_table", "main", "predict_step_s", "speedup_sweep", "verdict"]
 
 DEFAULT_WIDTHS = (64, 128, 256, 512, 1024, 2048)
 QUICK_WIDTHS = (64, 256, 1024)
-GLOBAL_BATCH = 512  # large enough that compute dominates a width-2048 step, small enough for a 2-minute sweep
+GLOBAL_BATCH = 512  # large enough that compute dominates a width-2048 step, small enough for a few-minute sweep
 STEPS, ROUNDS = 15, 3
 QUICK_STEPS, QUICK_ROUNDS = 6, 1
-# all_reduce sizes for the link: 4 KiB (latency-bound) to 16 MiB (a width-2048 MLP's gradients are 17 MB)
-CALIBRATION_SIZES = tuple(4 ** k * 4096 for k in range(0, 7))
-CALIBRATION_REPEATS = 10
-ROLES = ("single", "single_1t", "ddp", "compute")
+TOLERANCE = 0.30  # the prediction's target: every width's predicted speedup within 30 % of the measured one
+# single and ddp make only all-reduces; calibrate_ops fits each op on its own rows, so other ops would add time only
+LINK_OPS = ("all_reduce",)
+PREDICTED = {"predicted_single": "single", "predicted_ddp": "ddp"}  # a prediction's role -> the run it predicts
+ROLES = ("single", "single_1t", "ddp", "compute", *PREDICTED)
 COLUMNS = ("width", "params", "gradient_bytes", "buckets", "single_ms", "single_1t_ms", "ddp_ms", "speedup",
-           "speedup_vs_1t", "compute_ms", "compute_ns_per_byte", "predicted_ddp_ms", "predicted_speedup",
-           "predicted_comm_ms", "predicted_exposed_comm_ms", "predicted_overhead_ms", "prediction_error", "rounds")
+           "speedup_min", "speedup_max", "speedup_vs_1t", "compute_ms", "compute_ns_per_byte",
+           "predicted_single_ms", "predicted_ddp_ms", "predicted_speedup", "prediction_error", "rounds")
+Link = LinkModel | LinkSet
 
 
 def _cores(cores: int | None) -> int:
@@ -108,68 +121,67 @@ def _plan(base: RunConfig, width: int, world_size: int, cores: int) -> dict[str,
     }
 
 
-def _overhead_plan(base: RunConfig, width: int, world_size: int, cores: int) -> dict[str, RunConfig]:
-    """DDP's own per-step work, at world size 1 (nothing to communicate), on a batch no other run uses."""
-    batch = max(1, base.global_batch_size // (2 * world_size))
-    cfg = base.replace(model_size=width, world_size=1, global_batch_size=batch,
-                       threads_per_rank=max(1, cores // world_size))
-    return {"overhead_single": cfg.replace(tier="single"), "overhead_ddp": cfg.replace(tier="ddp")}
-
-
 def _say(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
     if callable(progress):
         return progress
     return (lambda line: print(line, flush=True)) if progress else (lambda line: None)
 
 
-def calibrate_link(world_size: int = 2, sizes: Sequence[int] = CALIBRATION_SIZES,
-                   repeats: int = CALIBRATION_REPEATS) -> costmodel.LinkModel:
-    """alpha and beta of gloo's all_reduce at ``world_size``, from a short interleaved sweep."""
-    sweep = collectives.sweep(world_size=world_size, ops=("all_reduce",), sizes=tuple(sizes), repeats=repeats,
-                              per_repeat=True)
-    return costmodel.calibrate(sweep, "all_reduce", label=f"gloo loopback all_reduce, calibrated at n={world_size}")
-
-
-def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2, global_batch: int = GLOBAL_BATCH,
-                  steps: int = STEPS, rounds: int = ROUNDS, depth: int = 2, optimizer: str = "sgd",
-                  cores: int | None = None, link: costmodel.LinkModel | None = None,
-                  calibration_sizes: Sequence[int] = CALIBRATION_SIZES,
-                  calibration_repeats: int = CALIBRATION_REPEATS,
-                  progress: bool | Callable[[str], None] = False) -> pd.DataFrame:
-    """Measured and predicted speedup of ``ddp`` at ``world_size`` over ``single``, one row per MLP width.
-
-    Columns (``COLUMNS``; times in ms, medians over ``rounds``): width, params,
-    gradient_bytes, buckets; single_ms (one process on all ``cores``),
-    single_1t_ms (one process, one thread), ddp_ms (``world_size`` ranks,
-    ``cores // world_size`` threads each), speedup = single_ms / ddp_ms,
-    speedup_vs_1t = single_1t_ms / ddp_ms; compute_ms (one rank's compute: a
-    single run at the per-rank batch on a rank's threads) and
-    compute_ns_per_byte (that per gradient byte); the cost model's
-    predicted_ddp_ms, predicted_speedup = single_ms / predicted_ddp_ms, its
-    parts (all-reduce time, the exposed part, DDP's overhead) and
-    prediction_error (predicted / measured ddp step - 1). ``frame.attrs``
-    holds the baseline in words, the link, the batch, cores, steps, rounds and
-    the sweep's wall time.
-
-    ``link``: a calibrated ``LinkModel`` to use instead of running the
-    all_reduce sweep. ``progress``: True prints a line per round, a callable
-    receives them. The MLP reads the synthetic 8x8 data set (64 inputs, 10
-    classes), ``depth`` hidden layers of ``width`` units.
-    """
-    widths = sorted({int(w) for w in widths})
-    if not widths or widths[0] < 1:
-        raise ValueError(f"widths={widths!r} is invalid: give one or more widths >= 1")
+def _check(widths: Sequence[int], world_size: int, global_batch: int, steps: int, rounds: int) -> list[int]:
+    """The widths, sorted; ValueError naming a bad argument, before any process starts."""
+    ws = sorted({int(w) for w in widths})
+    if not ws or ws[0] < 1:
+        raise ValueError(f"widths={ws!r} is invalid: give one or more widths >= 1")
     if not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size={world_size!r} is invalid: data parallelism needs at least 2 ranks")
-    if global_batch % (2 * world_size):
-        raise ValueError(f"global_batch={global_batch} must be divisible by 2 x world_size = {2 * world_size} "
-                         "(the per-rank batch, and half of it for DDP's overhead runs)")
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch} must be divisible by world_size={world_size} "
+                         "(each rank computes an equal share)")
     warmup = costmodel.WARMUP_STEPS
     if not isinstance(steps, int) or steps < warmup + 2:
         raise ValueError(f"steps={steps!r} is invalid: need at least {warmup + 2} ({warmup} warm-up steps are "
                          "left out of every median)")
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
+    return ws
+
+
+def _links(link: Link | None, world_size: int, quick: bool, say: Callable[[str], None]) -> Callable[[int], Link]:
+    """Each round's link: ``link`` as given (its busy_s included), else the estimator's, busy_s measured per round."""
+    if link is not None:
+        return lambda _round: link
+    calibrated = calibrate_link(world_size, LINK_OPS, quick=quick)
+    say(f"link: {calibrated.label}")
+    return RoundLinks(calibrated, world_size, quick=quick, log=say)
+
+
+def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2, global_batch: int = GLOBAL_BATCH,
+                  steps: int = STEPS, rounds: int = ROUNDS, depth: int = 2, optimizer: str = "sgd",
+                  cores: int | None = None, link: Link | None = None, quick_link: bool = False,
+                  progress: bool | Callable[[str], None] = False) -> pd.DataFrame:
+    """Measured and predicted speedup of ``ddp`` at ``world_size`` over ``single``, one row per MLP width.
+
+    Columns (``COLUMNS``; times in ms, medians over ``rounds``): width, params,
+    gradient_bytes, buckets; single_ms (one process on all ``cores``),
+    single_1t_ms (one process, one thread), ddp_ms (``world_size`` ranks,
+    ``cores // world_size`` threads each); speedup (single / ddp, the median of
+    the rounds'), speedup_min and speedup_max (the rounds' spread),
+    speedup_vs_1t (single_1t / ddp); compute_ms (one rank's compute: a single
+    run at the per-rank batch on a rank's threads) and compute_ns_per_byte (that
+    per gradient byte); predicted_single_ms and predicted_ddp_ms
+    (``predict_step_s``), predicted_speedup (their ratio, the median of the
+    rounds') and prediction_error (the median of the rounds' predicted /
+    measured speedup - 1). ``frame.attrs`` holds the baseline in words, the
+    link, busy_s per round, the batch, cores, steps, rounds and the wall time.
+
+    ``link``: a ``LinkModel`` or ``LinkSet`` to use in every round as it is,
+    instead of calibrating one and measuring its ``busy_s`` per round;
+    ``quick_link``: a quick calibration (a smoke test, not a measurement).
+    ``progress``: True prints a line per round, a callable receives them. The
+    MLP reads the synthetic 8x8 data set (64 inputs, 10 classes), ``depth``
+    hidden layers of ``width`` units.
+    """
+    widths = _check(widths, world_size, global_batch, steps, rounds)
     c = _cores(cores)
     say = _say(progress)
     t0 = time.perf_counter()
@@ -178,27 +190,45 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
                      optimizer=optimizer)
     # every RunConfig is built (and so validated) before the first process starts
     plans = {w: _plan(base, w, world_size, c) for w in widths}
-    overhead = _overhead_plan(base, widths[-1], world_size, c)
-    if link is None:
-        link = calibrate_link(world_size, calibration_sizes, calibration_repeats)
-        say(f"link: {link.describe()}")
+    links = _links(link, world_size, quick_link, say)
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
+        round_link = links(r)
         order = widths if r % 2 == 0 else widths[::-1]
         for i, w in enumerate(order):
-            roles = ROLES[(r + i) % len(ROLES):] + ROLES[:(r + i) % len(ROLES)]
-            for role in roles:
-                rows.append({"round": r, "width": w, "role": role, **_numbers(plans[w][role])})
-        for role, cfg in overhead.items():
-            rows.append({"round": r, "width": widths[-1], "role": role, **_numbers(cfg)})
-        say(f"round {r + 1}/{rounds}: {len(widths)} widths × {len(ROLES)} runs, {time.perf_counter() - t0:.0f} s")
-    frame = _frame(pd.DataFrame(rows), link, widths, world_size,
-                   overlap=costmodel.spare_cores(world_size, max(1, c // world_size), c))
-    frame.attrs.update({"baseline": baseline_text(world_size, global_batch, c), "link": link.describe(),
-                        "beta_ns_per_byte": link.beta_s_per_byte * 1e9, "world_size": world_size,
-                        "global_batch": global_batch, "cores": c, "steps": steps, "rounds": rounds,
-                        "optimizer": optimizer, "depth": depth, "wall_s": time.perf_counter() - t0})
+            k = (r + i) % len(ROLES)
+            for role in ROLES[k:] + ROLES[:k]:
+                rows.append({"round": r, "width": w, "role": role, **_one(role, plans[w], round_link)})
+        say(f"round {r + 1}/{rounds}: {len(widths)} widths × {len(ROLES)} runs and predictions, "
+            f"{time.perf_counter() - t0:.0f} s")
+    frame = _frame(pd.DataFrame(rows), widths)
+    first = links(0)
+    busy = links.busy_text() if isinstance(links, RoundLinks) else f"{first.busy_s * 1e3:.2f}"
+    frame.attrs.update({"baseline": baseline_text(world_size, global_batch, c), "link": first.label,
+                        "busy_ms": busy, "beta_ns_per_byte": _all_reduce(first).beta_s_per_byte * 1e9,
+                        "world_size": world_size, "global_batch": global_batch, "cores": c, "steps": steps,
+                        "rounds": rounds, "optimizer": optimizer, "depth": depth,
+                        "wall_s": time.perf_counter() - t0})
     return frame
+
+
+def _all_reduce(link: Link) -> LinkModel:
+    return link.links.get("all_reduce", link.default) if isinstance(link, LinkSet) else link
+
+
+def predict_step_s(cfg: RunConfig, link: Link) -> float:
+    """Seconds per step of ``cfg`` as ``dtlab.estimate`` predicts it on ``link``: the estimator's own step rule
+    (``estimate.step.predict``), so the sweep, notebook 11 and ``benchmarks/estimate_error.py`` agree."""
+    step_ms = estimate(cfg, link).step_ms
+    if step_ms is None:
+        raise ValueError(f"dtlab.estimate predicted no step time for tier {cfg.tier!r}")
+    return step_ms / 1e3
+
+
+def _one(role: str, plan: dict[str, RunConfig], link: Link) -> dict[str, Any]:
+    if role in PREDICTED:
+        return {"step_s": predict_step_s(plan[PREDICTED[role]], link)}
+    return _numbers(plan[role])
 
 
 def _numbers(cfg: RunConfig) -> dict[str, Any]:
@@ -209,37 +239,28 @@ def _numbers(cfg: RunConfig) -> dict[str, Any]:
     return numbers
 
 
-def _median(runs: pd.DataFrame, width: int, role: str, column: str = "step_s") -> float:
-    return float(runs.loc[(runs["width"] == width) & (runs["role"] == role), column].median())
-
-
-def _frame(runs: pd.DataFrame, link: costmodel.LinkModel, widths: list[int], world_size: int, *,
-           overlap: bool) -> pd.DataFrame:
-    single_o = runs[runs["role"] == "overhead_single"]
-    ddp_o = runs[runs["role"] == "overhead_ddp"]
-    gamma = costmodel.ddp_overhead({**single_o.iloc[0].to_dict(), "step_s": float(single_o["step_s"].median())},
-                                   {**ddp_o.iloc[0].to_dict(), "step_s": float(ddp_o["step_s"].median())})
+def _frame(runs: pd.DataFrame, widths: list[int]) -> pd.DataFrame:
+    steps = runs.pivot_table(index=["width", "round"], columns="role", values="step_s")
     out = []
     for w in widths:
-        ddp_rows = runs[(runs["width"] == w) & (runs["role"] == "ddp")]
-        sizes = [int(s) for s in ddp_rows["bucket_sizes_bytes"].iloc[0]]
-        compute = runs[(runs["width"] == w) & (runs["role"] == "compute")]
-        phases = {p: float(compute[p].median()) for p in costmodel.COMPUTE_PHASES}
-        pred = costmodel.predict_ddp_step(phases, sizes, link, world_size, overhead_s=gamma * sum(sizes),
-                                          overlap=overlap)
-        single, single_1t, ddp = (_median(runs, w, role) for role in ("single", "single_1t", "ddp"))
-        compute_s = _median(runs, w, "compute")
-        grad = sum(sizes)
-        params = int(runs.loc[runs["width"] == w, "params"].iloc[0])
+        per = steps.loc[w]  # one row per round, one column per role
+        measured = per["single"] / per["ddp"]
+        predicted = per["predicted_single"] / per["predicted_ddp"]
+        error = predicted / measured - 1  # each round's prediction against the same round's measurement
+        ddp = runs[(runs["width"] == w) & (runs["role"] == "ddp")]
+        sizes = [int(s) for s in ddp["bucket_sizes_bytes"].iloc[0]]
+        grad, compute_s = sum(sizes), float(per["compute"].median())
+        ms = {role: float(per[role].median()) * 1e3 for role in ROLES}
         out.append({
-            "width": w, "params": params, "gradient_bytes": grad, "buckets": len(sizes),
-            "single_ms": single * 1e3, "single_1t_ms": single_1t * 1e3, "ddp_ms": ddp * 1e3,
-            "speedup": single / ddp, "speedup_vs_1t": single_1t / ddp,
+            "width": w, "params": int(runs.loc[(runs["width"] == w) & (runs["role"] == "single"), "params"].iloc[0]),
+            "gradient_bytes": grad, "buckets": len(sizes),
+            "single_ms": ms["single"], "single_1t_ms": ms["single_1t"], "ddp_ms": ms["ddp"],
+            "speedup": float(measured.median()), "speedup_min": float(measured.min()),
+            "speedup_max": float(measured.max()), "speedup_vs_1t": float((per["single_1t"] / per["ddp"]).median()),
             "compute_ms": compute_s * 1e3, "compute_ns_per_byte": compute_s / grad * 1e9 if grad else math.nan,
-            "predicted_ddp_ms": pred.step_s * 1e3, "predicted_speedup": single / pred.step_s,
-            "predicted_comm_ms": pred.comm_s * 1e3, "predicted_exposed_comm_ms": pred.exposed_comm_s * 1e3,
-            "predicted_overhead_ms": pred.overhead_s * 1e3, "prediction_error": pred.step_s / ddp - 1,
-            "rounds": int(ddp_rows["round"].nunique()),
+            "predicted_single_ms": ms["predicted_single"], "predicted_ddp_ms": ms["predicted_ddp"],
+            "predicted_speedup": float(predicted.median()), "prediction_error": float(error.median()),
+            "rounds": len(per),
         })
     return pd.DataFrame(out, columns=list(COLUMNS))
 
@@ -269,7 +290,8 @@ def closest_approach(frame: pd.DataFrame, column: str = "speedup") -> dict[str, 
 
 
 def verdict(frame: pd.DataFrame) -> str:
-    """The answer in a sentence or two, with this run's numbers: the crossover, or the closest approach."""
+    """The answer in a few lines, with this run's numbers: the crossover, or the closest approach; where the
+    prediction puts it; and, last, whether the prediction is within ``TOLERANCE`` at every width (``accuracy``)."""
     who = frame.attrs.get("baseline", "ddp vs single")
     measured, predicted = crossover(frame), crossover(frame, "predicted_speedup")
     if measured is not None:
@@ -280,11 +302,13 @@ def verdict(frame: pd.DataFrame) -> str:
         lines = [f"crossover: none -- ddp never beats single at widths {int(frame['width'].min())}-"
                  f"{int(frame['width'].max())} ({who}); closest at width {best['width']:.0f}: speedup "
                  f"{best['speedup']:.2f} (ddp {row['ddp_ms']:.1f} ms vs single {row['single_ms']:.1f} ms)"]
-    lines.append("cost model: " + _predicted_text(frame, predicted))
+    lines.append("prediction: " + _predicted_text(frame, predicted))
     if "speedup_vs_1t" in frame.columns:
         one = crossover(frame, "speedup_vs_1t")
         lines.append("against single on 1 thread: " + (f"ddp pays from width ≈ {one:.0f}" if one is not None else
                                                       f"never (at most {frame['speedup_vs_1t'].max():.2f})"))
+    if "prediction_error" in frame.columns:
+        lines.append(accuracy(frame))
     return "\n".join(lines)
 
 
@@ -300,13 +324,31 @@ def _predicted_text(frame: pd.DataFrame, predicted: float | None) -> str:
     return f"predicts a speedup >= 1 only at width {where}, below 1 elsewhere"
 
 
+def accuracy(frame: pd.DataFrame, tolerance: float = TOLERANCE) -> str:
+    """The prediction's verdict in one line: whether every width's predicted speedup is within ``tolerance``
+    of the measured one (``prediction_error``), and the worst width with its error."""
+    err = frame.dropna(subset=["prediction_error"]).set_index("width")["prediction_error"]
+    if err.empty:
+        raise ValueError("accuracy: the frame has no prediction_error values")
+    worst = err.abs().idxmax()
+    ok = bool((err.abs() <= tolerance).all())
+    return (f"every width within {tolerance * 100:g} %: {'yes' if ok else 'no'} "
+            f"(worst {int(worst)}: {err[worst] * 100:+.1f} %)")
+
+
 def format_table(frame: pd.DataFrame) -> str:
-    cols = ["width", "params", "single_ms", "single_1t_ms", "ddp_ms", "speedup", "speedup_vs_1t",
-            "predicted_ddp_ms", "predicted_speedup", "prediction_error", "compute_ns_per_byte"]
-    fmt = {c: "{:.2f}".format for c in ("single_ms", "single_1t_ms", "ddp_ms", "predicted_ddp_ms", "speedup",
-                                        "speedup_vs_1t", "predicted_speedup", "compute_ns_per_byte")}
+    """Per width: the step times, the measured speedup with the rounds' spread, the predicted one and its error."""
+    df = frame.copy()
+    if {"speedup_min", "speedup_max"} <= set(df.columns):
+        df["rounds_min-max"] = [f"{lo:.2f}-{hi:.2f}" for lo, hi in zip(df["speedup_min"], df["speedup_max"])]
+    cols = ["width", "params", "single_ms", "single_1t_ms", "ddp_ms", "speedup", "rounds_min-max",
+            "predicted_speedup", "prediction_error", "speedup_vs_1t", "predicted_single_ms", "predicted_ddp_ms",
+            "compute_ns_per_byte"]
+    fmt = {c: "{:.2f}".format for c in ("single_ms", "single_1t_ms", "ddp_ms", "predicted_single_ms",
+                                        "predicted_ddp_ms", "speedup", "speedup_vs_1t", "predicted_speedup",
+                                        "compute_ns_per_byte")}
     fmt["prediction_error"] = "{:+.0%}".format
-    return frame[[c for c in cols if c in frame.columns]].to_string(index=False, formatters=fmt)
+    return df[[c for c in cols if c in df.columns]].to_string(index=False, formatters=fmt)
 
 
 # -- python -m dtlab.analysis.speedup --------------------------------------------------------------------------------
@@ -323,23 +365,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0, help=f"interleaved rounds (default {ROUNDS}; quick "
                         f"{QUICK_ROUNDS})")
     parser.add_argument("--quick", action="store_true", default=os.environ.get("DTLAB_QUICK") == "1",
-                        help="few widths, steps and rounds (also DTLAB_QUICK=1)")
+                        help="few widths, steps and rounds and a quick link calibration (also DTLAB_QUICK=1)")
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",") if w.strip()] or list(QUICK_WIDTHS if args.quick
                                                                            else DEFAULT_WIDTHS)
     t0 = time.perf_counter()
     frame = speedup_sweep(widths, world_size=args.world_size, global_batch=args.global_batch,
                           steps=args.steps or (QUICK_STEPS if args.quick else STEPS),
-                          rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), progress=True)
+                          rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), quick_link=args.quick,
+                          progress=True)
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "crossover.csv", index=False)
     png = save(speedup_curve(frame), args.out / "crossover.png")
-    print(f"\n{frame.attrs['baseline']}; MLP depth {frame.attrs['depth']}, {frame.attrs['optimizer']}, "
-          f"{frame.attrs['steps']} steps × {frame.attrs['rounds']} rounds; times are median ms per step")
+    a = frame.attrs
+    print(f"\n{a['baseline']}; MLP depth {a['depth']}, {a['optimizer']}, {a['steps']} steps × {a['rounds']} "
+          "rounds; times are medians over rounds in ms per step; speedup = single / ddp, the median of the rounds' "
+          "(rounds_min-max: their spread); predicted by dtlab.estimate, error = predicted / measured speedup - 1")
     print(format_table(frame))
+    print(f"link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round {a['busy_ms']} ms; "
+          f"wrote {args.out / 'crossover.csv'} and {png} in {time.perf_counter() - t0:.0f} s")
     print(verdict(frame))
-    print(f"link beta {frame.attrs['beta_ns_per_byte']:.2f} ns/B; wrote {args.out / 'crossover.csv'} and {png} "
-          f"in {time.perf_counter() - t0:.0f} s")
     return 0
 
 

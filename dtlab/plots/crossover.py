@@ -16,7 +16,12 @@ from matplotlib.ticker import NullFormatter
 
 from dtlab.plots.style import bottom_legend, figure, require
 
-__all__ = ["crossing", "speedup_curve"]
+__all__ = ["PREDICTION_LABEL", "crossing", "speedup_curve"]
+
+# What the line is, in the legend: dtlab.estimate's step time for single and for ddp, their ratio
+PREDICTION_LABEL = ("predicted by dtlab.estimate: compute measured as\n"
+                    "the ranks run it, the link calibrated in this run,\n"
+                    "the wake-up excess per wait (busy_s)")
 
 
 def crossing(widths: Sequence[float], speedups: Sequence[float], level: float = 1.0) -> float | None:
@@ -45,11 +50,11 @@ def _where_above(widths: np.ndarray, speedups: np.ndarray) -> str:
     """Legend text: the break-even width if the curve crosses 1 and stays above; else where it is >= 1, if anywhere."""
     cross = crossing(widths, speedups)
     if cross is None:
-        return ", below break-even everywhere"
+        return "below break-even everywhere"
     above = widths[speedups >= 1]
     if (speedups[widths >= above[0]] >= 1).all():
-        return f", break-even at width ≈ {cross:.0f}"
-    return f", ≥ 1 only at width{'s' if len(above) > 1 else ''} {', '.join(f'{x:g}' for x in above)}"
+        return f"break-even at width ≈ {cross:.0f}"
+    return f"≥ 1 only at width{'s' if len(above) > 1 else ''} {', '.join(f'{x:g}' for x in above)}"
 
 
 def _tick_label(width: float, nbytes: float | None) -> str:
@@ -59,10 +64,12 @@ def _tick_label(width: float, nbytes: float | None) -> str:
 
 
 def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
-    """Speedup of ddp over single against MLP width (log scale): measured markers, the cost model's line.
+    """Speedup of ddp over single against MLP width (log scale): measured markers, the prediction's line.
 
     ``frame``: one row per width, columns width and speedup (single step time /
-    ddp step time, measured); optional predicted_speedup (the cost model's),
+    ddp step time, measured); optional speedup_min and speedup_max (the spread
+    of the measured rounds, shaded; ``frame.attrs["rounds"]`` says how many),
+    predicted_speedup (``dtlab.estimate``'s, labelled ``PREDICTION_LABEL``),
     speedup_vs_1t (against single on one thread: a second reference),
     gradient_bytes (written under each width) and ddp_ms/single_ms (for the
     annotation). A horizontal line marks break-even (speedup 1); the measured
@@ -79,10 +86,15 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     if "speedup_vs_1t" in df.columns:
         ax.plot(w, df["speedup_vs_1t"], "s", mfc="none", color="tab:gray", ms=6,
                 label="measured: ddp vs single on 1 thread")
+    if {"speedup_min", "speedup_max"} <= set(df.columns):
+        rounds = frame.attrs.get("rounds")
+        ax.fill_between(w, df["speedup_min"], df["speedup_max"], color="tab:blue", alpha=0.2, lw=0,
+                        label=f"measured: min-max of {f'{rounds} ' if rounds else 'the '}rounds")
     if "predicted_speedup" in df.columns:
         ax.plot(w, df["predicted_speedup"], "-", color="tab:orange", lw=2,
-                label=f"cost model prediction{_where_above(w, df['predicted_speedup'].to_numpy(float))}")
-    ax.plot(w, df["speedup"], "o", color="tab:blue", ms=8, zorder=3, label="measured: ddp vs single (all cores)")
+                label=f"{PREDICTION_LABEL};\n{_where_above(w, df['predicted_speedup'].to_numpy(float))}")
+    ax.plot(w, df["speedup"], "o", color="tab:blue", ms=8, zorder=3,
+            label="measured: ddp vs single (all cores), median of rounds")
     cross = crossing(w, df["speedup"].to_numpy(float))
     if cross is not None:
         ax.axvline(cross, color="tab:green", ls=":", lw=1.5, label=f"measured break-even: width ≈ {cross:.0f}")
@@ -99,12 +111,13 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     nbytes = df["gradient_bytes"].to_numpy(float) if "gradient_bytes" in df.columns else [None] * len(w)
     ax.set_xticks(w, [_tick_label(x, b) for x, b in zip(w, nbytes)])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    values = [df[c].to_numpy(float) for c in ("speedup", "predicted_speedup", "speedup_vs_1t") if c in df.columns]
+    values = [df[c].to_numpy(float) for c in ("speedup", "speedup_max", "predicted_speedup", "speedup_vs_1t")
+              if c in df.columns]
     top = max(1.2, float(np.nanmax(np.concatenate(values))) * 1.15)
     ax.set_ylim(0, top)
     below = "\n(and MB of gradients all-reduced per step)" if "gradient_bytes" in df.columns else ""
-    ax.set(xlabel=f"MLP width: hidden units per layer, log scale{below}",
-           ylabel="speedup (single step time / ddp step time, ×)")
+    ax.set(xlabel=f"MLP width (hidden units per layer, log scale){below}",
+           ylabel="speedup: single step time / ddp step time (×)")
     ax.grid(alpha=0.3)
     ax.set_title(title or frame.attrs.get("baseline", "ddp vs single"), fontsize=9)
     fig.suptitle("When does data parallelism pay? Speedup against model width")
