@@ -8,6 +8,7 @@ import pytest
 from torch import nn
 
 from dtlab import RunConfig
+from dtlab.analysis.estimate import compare, estimate
 from dtlab.analysis.fsdp import comm_exposure
 from dtlab.core.models import build
 from dtlab.tiers import base
@@ -46,6 +47,8 @@ def single(optimizer: str, model: str = "mlp", dataset: str = "digits", lr: floa
     (Options(checkpoint_every=-1), "checkpoint_every"),
     (Options(checkpoint_every=5), "checkpoint_every"),  # nowhere to save
     (Options(resume_from="/nonexistent/checkpoint"), "resume_from"),
+    (Options(replicate=3), "replicate"),  # world_size 2 does not split into groups of 2 / 3
+    (Options(replicate=0), "replicate"),
 ])
 def test_bad_options_fail_before_launch(options, field):
     with pytest.raises(ValueError, match=f"fsdp tier_options.{field}="):
@@ -146,6 +149,33 @@ def test_one_all_gather_per_unit_and_pass_one_reduce_scatter_per_unit(reshard):
     # streams): none of their time is hidden behind compute.
     exposure = comm_exposure(result)
     assert (exposure["hidden_s"] == 0).all() and (exposure["blocked_s"] > 0).all()
+
+
+@launches
+def test_hsdp_reduce_scatters_within_a_group_and_all_reduces_across():
+    """HSDP at 4 ranks, replicate=2: a 2 x 2 mesh, sharded along a row, replicated down a column."""
+    cfg = job("adam", tier="fsdp", world_size=4, tier_options=Options(replicate=2))
+    result = run(cfg, progress=False)
+    assert result.max_param_diff(single("adam")) <= TOL  # measured: 1.3e-7
+    units = len(result.ranks[0].strategy["fsdp_units"])  # the mlp's 3 Linear layers
+    # the three collectives of fsdp, plus one all-reduce per unit after its reduce-scatter
+    assert collectives_per_step(result) == {("all_gather_into_tensor", "forward"): units,
+                                            ("all_gather_into_tensor", "backward"): units,
+                                            ("reduce_scatter_tensor", "backward"): units,
+                                            ("all_reduce", "backward"): units}
+    events = result.events_frame()
+    steady = events[(events["rank"] == 0) & (events["step"] == 1)]
+    assert steady.groupby("op")["group_size"].unique().map(list).to_dict() == {
+        "all_gather_into_tensor": [2], "reduce_scatter_tensor": [2], "all_reduce": [2]}
+    # what crosses the groups is the reduce-scatter's output: each unit's gradient shard, half its gradient
+    scattered = steady[steady["op"] == "reduce_scatter_tensor"].set_index("tag")["bytes"]
+    reduced = steady[steady["op"] == "all_reduce"].set_index("tag")["bytes"]
+    assert (reduced * 2).to_dict() == scattered.to_dict()
+    # memory: each rank holds a group's share (1/2), as the estimate predicts to the byte
+    table = compare(estimate(cfg), result)
+    assert set(table["kind"]) >= {"parameters", "gradients", "optimizer_state", "activations", "comm_buffers"}
+    wrong = table[table["predicted"] != table["measured"]]
+    assert wrong.empty, wrong.to_string()
 
 
 @launches

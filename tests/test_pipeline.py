@@ -117,6 +117,63 @@ def test_schedule_diagram_and_bubble(tmp_path):
     assert result.summary()["strategy"]["stage_parameters"] < sum(t.numel() for t in result.params().values())
 
 
+# -- several stages per rank --------------------------------------------------------------
+MULTI = ["interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
+
+
+@functools.cache
+def multi_job(schedule: str) -> tuple[RunConfig, object]:
+    """Four stages on two ranks (depth 4: one block each), 4 micro-batches, Adam at the four-stage test's lr."""
+    cfg = job("adam", model_depth=4).replace(lr=0.003, tier="pipeline", world_size=2,
+                                               tier_options=Options(schedule=schedule, microbatches=4))
+    return cfg, run(cfg, progress=False)
+
+
+@pytest.mark.parametrize("schedule", MULTI)
+def test_multi_stage_schedules_match_single_and_predicted_activations(schedule):
+    from dtlab.analysis.estimate import compare, estimate
+
+    cfg, result = multi_job(schedule)
+    ref = single(job("adam", model_depth=4).replace(lr=0.003))  # the same global batch on one device
+    assert result.max_param_diff(ref) <= TOL
+    assert (result.loss_curve() - ref.loss_curve()).abs().max() <= TOL
+    assert result.ranks[0].evaluation["loss"] == pytest.approx(ref.ranks[0].evaluation["loss"], abs=TOL)
+    # looped: stages 0, 2 | 1, 3 and the loss on rank 1; V-shaped: 0, 3 | 1, 2 and the loss on rank 0
+    v_shaped = schedule in ("zbv", "dualpipev")
+    assert [r.strategy["rank_stages"] for r in result.ranks] == ([[0, 3], [1, 2]] if v_shaped else [[0, 2], [1, 3]])
+    has_loss = result.steps_frame().groupby("rank")["loss"].apply(lambda s: s.notna().all()).tolist()
+    assert has_loss == ([True, False] if v_shaped else [False, True])
+    # the estimator walks each rank's actions on fake tensors: every kind as measured, activations included
+    table = compare(estimate(cfg), result)
+    assert {"parameters", "gradients", "optimizer_state", "activations"} <= set(table["kind"])
+    assert table["error"].abs().max() <= 0.01, table.to_string()
+
+
+@pytest.mark.parametrize("schedule,hops", [("interleaved-1f1b", 3), ("zbv", 2)])
+def test_multi_stage_transfers_and_diagram(schedule, hops, tmp_path):
+    """Looped: all three stage boundaries cross ranks; V-shaped: the middle one (stages 1 and 2, both on
+    rank 1) is a local hand-off, not a transfer. Each crossing: one activation and one gradient per micro-batch."""
+    from dtlab import plots
+
+    cfg, result = multi_job(schedule)
+    ev = result.events_frame()
+    inside = ev[~ev["tag"].isin([pp.SETUP_TAG, pp.GATHER_TAG]) & (ev["step"] < cfg.steps)]
+    assert inside[inside["op"] == "isend"].groupby("step").size().unique().tolist() == [2 * 4 * hops]
+    frame = pipeline_runs.schedule_frame(result, step=1, p2p=True)
+    counts = frame["phase"].value_counts().to_dict()
+    backward = {"backward_input": 16, "backward_weight": 16} if schedule == "zbv" else {"backward": 16}
+    assert counts == {"forward": 16, **backward, **{f"{d} {w}": 4 * hops for d in ("send", "recv")
+                                                    for w in ("act", "grad")}}
+    assert list(frame["lane"].unique()) == ["rank 0", "rank 0 p2p", "rank 1", "rank 1 p2p"]
+    fig = pipeline_runs.schedule_figure(result, p2p=True)
+    per_rank = 3 if schedule == "zbv" else 2  # micro-batch 3's F and B (zbv: F, I and W) on each of 2 stages
+    assert [t.get_text() for t in fig.axes[0].texts].count("3") == 2 * 2 * per_rank
+    assert plots.save(fig, tmp_path / "schedule.png").stat().st_size > 5_000
+    table = pipeline_runs.bubble_table({schedule: result})
+    assert table["measured"].between(0, 1).all() and table["simulated"].iloc[0] < pipeline_runs.ideal_bubble(
+        "1f1b", 2, 4)
+
+
 def test_unrecorded_run_still_trains():
     cfg = job(steps=5)
     result = run(cfg.replace(tier="pipeline", world_size=2), progress=False, record=False)
@@ -131,6 +188,14 @@ BAD = [
     (dict(tier_options=Options(schedule="interleaved")), "schedule"),
     (dict(world_size=4, model_depth=4, tier_options=Options(schedule="1f1b", microbatches=2)), "microbatches"),
     (dict(model="cnn"), "model"),
+    (dict(model_depth=2, tier_options=Options(schedule="zbv")), "model_depth"),  # 2 layers, 4 stages
+    (dict(model_depth=4, tier_options=Options(schedule="zbv", stages_per_rank=3)), "stages_per_rank"),
+    (dict(tier_options=Options(schedule="1f1b", stages_per_rank=2)), "stages_per_rank"),
+    (dict(model_depth=4, tier_options=Options(schedule="interleaved-1f1b", stages_per_rank=1)), "stages_per_rank"),
+    (dict(tier_options=Options(stages_per_rank=-1)), "stages_per_rank"),
+    (dict(model_depth=4, tier_options=Options(schedule="dualpipev", microbatches=2)), "microbatches"),  # < 4 stages
+    (dict(global_batch_size=60, model_depth=4, tier_options=Options(schedule="zero-bubble", microbatches=5)),
+     "microbatches"),  # rounds of 2: 5 is not a multiple
 ]
 
 

@@ -192,6 +192,47 @@ def test_weight_placements_rejects_local_shapes_that_disagree():
         plots.weight_placements(shards, ["tok.weight"])
 
 
+STAGES = [{"tok.weight": ([53, 64], ["S(0)", "S(0)"]), "blocks.0.attn.q.weight": ([64, 64], ["_S(0, 2)", "S(0)"])},
+          {"blocks.1.attn.q.weight": ([64, 64], ["_S(0, 2)", "S(0)"]), "head.weight": ([53, 64], ["_S(0, 2)", "S(0)"]),
+           "ln.weight": ([64], ["S(0)"])}]
+
+
+def test_draw_mesh_and_matrix_name_a_sub_meshs_global_ranks():
+    ax = plots.draw_mesh(new_ax(), (2, 2), ("dp", "tp"), ranks=[4, 5, 6, 7])
+    assert texts(ax) == [f"rank {r}\ndp {(r - 4) // 2}\ntp {r % 2}" for r in range(4, 8)]
+    ax = plots.draw_placement(new_ax(), [64, 64], ["S(0)", "S(1)"], (2, 2), ranks=[4, 5, 6, 7])
+    assert sorted(texts(ax)) == ["4", "5", "6", "7"]
+    assert sorted(p.get_label() for p in pieces(ax)) == ["rank 4", "rank 5", "rank 6", "rank 7"]
+
+
+def test_stage_placements_draws_each_stage_as_its_own_2d_mesh(tmp_path):
+    shards = [*reported(STAGES[0], (2, 2)), *reported(STAGES[1], (2, 2))]  # pp=2 x dp=2 x tp=2
+    names = ["tok.weight", "blocks.0.attn.q.weight", "blocks.1.attn.q.weight", "head.weight", "ln.weight"]
+    fig = plots.stage_placements(shards, names, (2, 2, 2))
+    mesh0, tok, q0, mesh1, q1, head, ln = fig.axes  # stage 0 holds two of the names: its spare panel removed
+    assert mesh0.get_title() == "pp 0: ranks 0-3" and mesh1.get_title() == "pp 1: ranks 4-7"
+    assert texts(mesh1)[0] == "rank 4\ndp 0\ntp 0"
+    assert tok.get_title() == "tok.weight\n53x64 S(0), S(0)"
+    assert sorted(texts(q1)) == ["4", "5", "6", "7"] and sorted(texts(q0)) == ["0", "1", "2", "3"]
+    assert texts(ln) == ["4,5", "6,7"]  # FSDP alone splits it: a tp row shares each half
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [*[f"rank {r}" for r in range(8)],
+                                                          "same part on several ranks"]
+    assert "2 x 2 x 2 mesh (pp x dp x tp)" in fig.get_suptitle()
+    assert plots.save(fig, tmp_path / "nd.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("mesh, names, match", [
+    ((2, 2), ["ln.weight"], "a 3-D mesh"),
+    ((2, 2, 1), ["ln.weight"], "has 4 ranks, but 8 reported"),
+    ((2, 2, 2), ["nope"], "no stage reports placements for \\['nope'\\]"),
+])
+def test_stage_placements_rejects_a_mismatch(mesh, names, match):
+    shards = [*reported(STAGES[0], (2, 2)), *reported(STAGES[1], (2, 2))]
+    with pytest.raises(ValueError, match=match):
+        plots.stage_placements(shards, names, mesh)
+
+
 # -- the byte formulas set beside the placements (dtlab.analysis.tensor_parallel) ---------------------
 def test_sent_bytes_per_step_uses_the_ring_factors():
     import pandas as pd

@@ -65,7 +65,8 @@ def test_every_option_of_every_tier_has_a_control_and_invalid_values_disable_run
             if kind not in ("int", "float"):
                 continue
             default = control.value
-            control.value = -1  # no count, size or time of any tier may be negative
+            # no count, size, time or index of any tier may be negative (an index's "none" is -1: below it)
+            control.value = min(-1, default - 1)
             assert "cannot run this" in lab.message.value and name in lab.message.value, (tier, name)
             assert lab.run_button.disabled, (tier, name)
             control.value = default

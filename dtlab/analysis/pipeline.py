@@ -2,85 +2,169 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
-from dtlab import plots
-from dtlab.tiers.pipeline import GATHER_TAG, SETUP_TAG
+from dtlab.plots.pipeline import pipeline_schedule
+from dtlab.tiers.pipeline import GATHER_TAG, SETUP_TAG, stages_per_rank
+from dtlab.tiers.pipeline_stages import LOOPED, V_SHAPED, placement, rank_actions, rank_transfers
 
-_COMPUTE = r"^pp_(forward|backward):(\d+)$"
-
-
+_COMPUTE = r"^pp_(forward|backward|backward_input|backward_weight):(\d+)(?:@(\d+))?$"
 P2P_OPS = ("isend", "irecv", "send", "recv")
+KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+UNIT_TIMES = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = its input part + its weight part = 2 forwards
 
 
-def ideal_bubble(schedule: str, stages: int, microbatches: int) -> float:
-    """The idle share of each stage with equal stage times and free communication:
-    (S-1)/(M+S-1) for GPipe and 1F1B, (S-1)/S when micro-batches go one at a time."""
-    return (stages - 1) / (stages if schedule == "naive" else microbatches + stages - 1)
+def ideal_bubble(schedule: str, stages: int, microbatches: int, per_rank: int = 1) -> float:
+    """The idle share of each rank with equal stage times and free communication, where a formula gives it:
+    (p-1)/(M+p-1) for GPipe and 1F1B over p ranks (``stages``), (p-1)/p when micro-batches go one at a time,
+    and for interleaving (M >= p) the bubble divided by v (``per_rank``, stages per rank):
+    (p-1)/v / (M + (p-1)/v). The zero-bubble schedules have no closed form here: ``simulated_bubble`` lays out
+    their actions."""
+    p, m = stages, microbatches
+    if schedule == "naive":
+        return (p - 1) / p
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise ValueError(f"ideal_bubble: no formula for schedule {schedule!r}: use simulated_bubble")
+    v = per_rank if schedule == "interleaved-1f1b" else 1
+    if v > 1 and m < p:  # Megatron's formula assumes every rank has a micro-batch to start each round with
+        raise ValueError(f"ideal_bubble: the interleaved formula needs M >= p (M={m}, p={p}): use simulated_bubble")
+    return (p - 1) / v / (m + (p - 1) / v)
+
+
+def simulate(schedule: str, world: int, microbatches: int, per_rank: int = 0,
+             times: Mapping[str, float] | None = None) -> pd.DataFrame:
+    """Each rank's actions in its schedule's order, started as soon as the rank is free and their inputs are
+    ready (a forward: the previous stage's forward; a backward or its input part: the next stage's; a weight
+    part: its own input part), with equal stages, free transfers and ``times`` per action (default: F = I =
+    W = 1, B = 2). Columns: rank, lane, stage, hold, phase, microbatch, start, end (``plots.pipeline_schedule``
+    draws it with ``seconds=False``)."""
+    per = per_rank or (2 if schedule in (*LOOPED, *V_SHAPED) else 1)  # 0: the schedule's own
+    cost = {**UNIT_TIMES, **(times or {})}
+    queues = {r: list(acts) for r, acts in rank_actions(schedule, world, microbatches, per).items()}
+    holds = {s: k for held in placement(schedule, world, per) for k, s in enumerate(held)}
+    last, done, free, rows = world * per - 1, {}, dict.fromkeys(queues, 0.0), []
+    while any(queues.values()):
+        moved = False
+        for rank, queue in queues.items():
+            while queue and all(d in done for d in _needs(queue[0], last, schedule)):
+                stage, kind, mb = queue.pop(0)
+                start = max([free[rank], *(done[d] for d in _needs((stage, kind, mb), last, schedule))])
+                free[rank] = done[(stage, "I" if kind == "B" else kind, mb)] = start + cost[kind]
+                rows.append({"rank": rank, "lane": f"rank {rank}", "stage": stage, "hold": holds[stage],
+                             "phase": KINDS[kind], "microbatch": mb, "start": start, "end": free[rank]})
+                moved = True
+        if not moved:
+            raise ValueError(f"simulate: {schedule} with {world} ranks and {microbatches} micro-batches deadlocks")
+    return pd.DataFrame(rows)
+
+
+def _needs(action: tuple[int, str, int], last: int, schedule: str) -> list[tuple[int, str, int]]:
+    """What an action waits for; a full backward's end is stored as its input part's (``I``), what a
+    previous stage needs from it."""
+    stage, kind, mb = action
+    if kind == "F":
+        follows = [(0, "I", mb - 1)] if schedule == "naive" and stage == 0 and mb else []  # one at a time
+        return ([(stage - 1, "F", mb)] if stage else []) + follows
+    if kind == "W":
+        return [(stage, "I", mb)]
+    return [(stage, "F", mb)] + ([(stage + 1, "I", mb)] if stage < last else [])
+
+
+def simulated_bubble(schedule: str, world: int, microbatches: int, per_rank: int = 0,
+                     times: Mapping[str, float] | None = None) -> float:
+    """The idle share of the ranks (mean) in ``simulate``'s layout: the schedule's own bubble."""
+    return float(_idle(simulate(schedule, world, microbatches, per_rank, times)).mean())
+
+
+def _idle(frame: pd.DataFrame) -> pd.Series:
+    span = frame["end"].max() - frame["start"].min()
+    return 1 - (frame["end"] - frame["start"]).groupby(frame["rank"]).sum() / span
 
 
 def _compute_rows(result: Any) -> pd.DataFrame:
     ph = result.phases_frame()
     parts = ph["phase"].str.extract(_COMPUTE)
     ph = ph[parts[0].notna()].assign(phase=parts[0], microbatch=parts[1].astype(float).astype("Int64"))
+    stage = parts[2].astype(float).astype("Int64")
+    ph = ph.assign(stage=stage.fillna(ph["rank"].astype("Int64")))  # one stage per rank: its rank
     return ph.sort_values(["rank", "start"]).reset_index(drop=True)
 
 
 def schedule_frame(result: Any, step: int | None = None, p2p: bool = False) -> pd.DataFrame:
-    """One step of a pipeline run as the lanes frame of ``plots.gantt(df, lane="lane", color_by="phase")``.
+    """One step of a pipeline run as the frame of ``plots.pipeline_schedule`` (or ``plots.gantt``).
 
-    One lane per stage, one bar per micro-batch's forward or backward (columns rank,
-    lane, phase, microbatch, start, end). With ``p2p``, each stage gets a second lane
-    of its recorded transfers, named by what they carry ("send act", "recv grad", ...):
-    a send is matched to the compute just before it, a receive to the one it feeds.
-    ``step`` defaults to the middle step (step 0 also pays set-up).
+    One lane per stage ("stage r"; per rank, "rank r", where ranks hold several), one bar per micro-batch's
+    forward or backward (zero bubble: its input and weight parts). Columns rank, lane, stage, hold (the
+    rank's how-manyth stage), phase, microbatch, start, end. With ``p2p``, each rank gets a second lane of
+    its recorded transfers, named by what they carry ("send act", "recv grad", ...): a send is matched to the
+    compute just before it, a receive to the one it feeds. ``step`` defaults to the middle step (step 0
+    also pays set-up).
     """
     step = result.config.steps // 2 if step is None else step
     compute = _compute_rows(result)
     compute = compute[compute["step"] == step]
     if compute.empty:
         raise ValueError(f"schedule_frame: no pipeline phases recorded for step {step} (was the run recorded?)")
-    compute = compute.assign(lane=[f"stage {r}" for r in compute["rank"]], order=compute["rank"] * 2)
+    cfg = result.config
+    per = stages_per_rank(cfg.tier_options)
+    holds = {s: k for held in placement(cfg.tier_options.schedule, cfg.world_size, per) for k, s in enumerate(held)}
+    name = "rank" if per > 1 else "stage"
+    compute = compute.assign(lane=[f"{name} {r}" for r in compute["rank"]], order=compute["rank"] * 2,
+                             hold=compute["stage"].map(holds).fillna(0).astype(int))
     frames = [compute]
     if p2p:
-        ev = result.events_frame()
-        ev = ev[(ev["step"] == step) & ev["op"].isin(P2P_OPS) & ~ev["tag"].isin([SETUP_TAG, GATHER_TAG])]
-        rows = []
-        for e in ev.itertuples():
-            mine = compute[compute["rank"] == e.rank]
-            sending = e.op in ("isend", "send")
-            match = mine[mine["start"] <= e.start].tail(1) if sending else mine[mine["start"] >= e.start].head(1)
-            if match.empty:
-                continue
-            what = "act" if match["phase"].iloc[0] == "forward" else "grad"  # short: the legend is one line
-            rows.append({"rank": e.rank, "lane": f"stage {e.rank} p2p", "order": e.rank * 2 + 1,
-                         "phase": f"{'send' if sending else 'recv'} {what}", "microbatch": match["microbatch"].iloc[0],
-                         "start": e.start, "end": e.end, "step": step})
-        frames.append(pd.DataFrame(rows))
+        frames.append(_p2p_rows(result, compute, step, name))
     out = pd.concat(frames, ignore_index=True).sort_values(["order", "start"], kind="stable")
     return out.drop(columns="order").reset_index(drop=True)
 
 
+def _p2p_rows(result: Any, compute: pd.DataFrame, step: int, name: str) -> pd.DataFrame:
+    """Each recorded transfer, named. Where the schedule's own list of transfers is known (the multi-stage
+    ones), the rank's n-th send is its n-th planned send, and so for receives; otherwise a send is matched to
+    the compute just before it, a receive to the compute just after (what it feeds)."""
+    cfg = result.config
+    planned = rank_transfers(cfg.tier_options.schedule, cfg.world_size, cfg.tier_options.microbatches,
+                             stages_per_rank(cfg.tier_options))
+    ev = result.events_frame()
+    ev = ev[(ev["step"] == step) & ev["op"].isin(P2P_OPS) & ~ev["tag"].isin([SETUP_TAG, GATHER_TAG])]
+    rows = []
+    for (rank, sending), group in ev.groupby([ev["rank"], ev["op"].isin(("isend", "send"))], sort=False):
+        group = group.sort_values("start", kind="stable")
+        plan = [a for a in (planned or {}).get(rank, []) if a[1].startswith("SEND" if sending else "RECV")]
+        mine = compute[compute["rank"] == rank]
+        for n, e in enumerate(group.itertuples()):
+            if len(plan) == len(group):
+                stage, kind, mb = plan[n]
+                what = "act" if kind.endswith("F") else "grad"
+            else:
+                match = mine[mine["start"] <= e.start].tail(1) if sending else mine[mine["start"] >= e.start].head(1)
+                if match.empty:
+                    continue
+                what = "act" if match["phase"].iloc[0] == "forward" else "grad"  # short: the legend is one line
+                mb = match["microbatch"].iloc[0]
+            rows.append({"rank": rank, "lane": f"{name} {rank} p2p", "order": rank * 2 + 1, "microbatch": mb,
+                         "phase": f"{'send' if sending else 'recv'} {what}", "start": e.start, "end": e.end,
+                         "step": step})
+    return pd.DataFrame(rows)
+
+
 def schedule_figure(result: Any, step: int | None = None, p2p: bool = False, title: str | None = None) -> Any:
-    """``plots.gantt`` of ``schedule_frame``, each compute bar labelled with its micro-batch."""
+    """``plots.pipeline_schedule`` of ``schedule_frame``: each compute bar labelled with its micro-batch,
+    a rank's second stage hatched."""
     step = result.config.steps // 2 if step is None else step
-    df = schedule_frame(result, step, p2p)
-    o = result.config.tier_options
-    title = title or (f"{o.schedule}: {result.config.world_size} stages, {o.microbatches} micro-batch"
-                      f"{'es' if o.microbatches > 1 else ''} (step {step})")
-    fig = plots.gantt(df, lane="lane", color_by="phase", title=title)
-    ax, t0 = fig.axes[0], float(df["start"].min())
-    lanes = list(pd.unique(df["lane"]))
-    for row in df[df["phase"].isin(["forward", "backward"])].itertuples():
-        ax.text(((row.start + row.end) / 2 - t0) * 1e3, lanes.index(row.lane), str(row.microbatch),
-                ha="center", va="center", fontsize=7, color="white")
-    return fig
+    o, world = result.config.tier_options, result.config.world_size
+    per = stages_per_rank(o)
+    stages = f"{world} ranks x {per} stages" if per > 1 else f"{world} stages"
+    title = title or f"{o.schedule}: {stages}, {o.microbatches} micro-batch{'es' if o.microbatches > 1 else ''} " \
+                     f"(step {step})"
+    return pipeline_schedule(schedule_frame(result, step, p2p), title=title)
 
 
 def bubble_frame(result: Any) -> pd.DataFrame:
-    """Per step and stage: busy seconds (its forwards and backwards), the step's pipeline
+    """Per step and rank: busy seconds (its forwards and backwards), the step's pipeline
     span (first stage's first start to the last end on any stage) and the idle fraction."""
     compute = _compute_rows(result)
     busy = (compute["end"] - compute["start"]).groupby([compute["step"], compute["rank"]]).sum()
@@ -89,3 +173,25 @@ def bubble_frame(result: Any) -> pd.DataFrame:
     out["span_s"] = out.pop("last") - out.pop("first")
     out["idle_fraction"] = 1 - out["busy_s"] / out["span_s"]
     return out
+
+
+def measured_idle(result: Any) -> float:
+    """The run's bubble: each rank's idle share, median over the steps after the first, mean over ranks."""
+    b = bubble_frame(result)
+    return float(b[b["step"] > 0].groupby("rank")["idle_fraction"].median().mean())
+
+
+def bubble_table(results: Mapping[str, Any]) -> pd.DataFrame:
+    """Per run: its schedule, ranks p, stages per rank v, micro-batches M, the measured idle share, the formula's
+    (NaN where none) and the simulated one (its own action order, equal stages, free transfers)."""
+    rows = []
+    for label, r in results.items():
+        o, p = r.config.tier_options, r.config.world_size
+        v, m = stages_per_rank(o), o.microbatches
+        try:
+            formula = ideal_bubble(o.schedule, p, m, v)
+        except ValueError:
+            formula = float("nan")
+        rows.append({"run": label, "schedule": o.schedule, "p": p, "v": v, "M": m, "measured": measured_idle(r),
+                     "formula": formula, "simulated": simulated_bubble(o.schedule, p, m, v)})
+    return pd.DataFrame(rows)

@@ -27,7 +27,7 @@ from dtlab.train import preflight, run
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
-    p.add_argument("--model", default=d.model, help="mlp, cnn, cnn-bn, charformer or package.module:factory")
+    p.add_argument("--model", default=d.model, help="mlp, cnn, cnn-bn, charformer, moe or package.module:factory")
     p.add_argument("--model-size", type=int, default=d.model_size, help="width of the built-in model")
     p.add_argument("--model-depth", type=int, default=d.model_depth, help="mlp hidden layers / charformer blocks")
     p.add_argument("--dataset", default=d.dataset, help="digits, synthetic or text")
@@ -46,6 +46,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (less activation memory, more compute)")
     p.add_argument("--precision", default=d.precision, help="fp32 or bf16 (autocast of the forward and loss)")
+    p.add_argument("--experts", type=int, default=d.experts, help="--model moe: experts per layer")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="--model moe: experts each token is sent to")
+    p.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                   help="--model moe: tokens an expert takes, as a multiple of an even share (0: dropless)")
+    p.add_argument("--aux-loss-coef", type=float, default=d.aux_loss_coef,
+                   help="--model moe: weight of the load-balancing loss in the loss (0: none)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a tier option, e.g. --opt bucket_cap_mb=1 (repeatable); booleans true/false, "
                    "lists comma-separated: --opt faults=sigkill:7:1,exception:12:0")
@@ -82,6 +88,8 @@ def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> Ru
         optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
         threads_per_rank=args.threads, timeout_s=args.timeout, slow_rank=args.slow_rank,
         activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+        experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
+        aux_loss_coef=args.aux_loss_coef,
         tier_options=tier_options(tier, args.opt),
     )
 
@@ -260,7 +268,9 @@ FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "mo
          "global_batch_size": "--batch-size", "steps": "--steps", "lr": "--lr", "optimizer": "--optimizer",
          "seed": "--seed", "backend": "--backend", "device": "--device", "threads_per_rank": "--threads",
          "timeout_s": "--timeout", "slow_rank": "--slow-rank",
-         "activation_checkpointing": "--activation-checkpointing", "precision": "--precision"}
+         "activation_checkpointing": "--activation-checkpointing", "precision": "--precision",
+         "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
+         "aux_loss_coef": "--aux-loss-coef"}
 COMMAND_FLAGS = {"compare": {"world_size": "--world-sizes", "tier": "--tiers"},
                  "cluster": {"world_size": "--nnodes x --nproc-per-node"}}
 

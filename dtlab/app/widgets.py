@@ -28,7 +28,7 @@ from dtlab.app.guard import guarded
 from dtlab.app.history import HISTORY, SavedRun, load_history, read_runs
 from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
 from dtlab.core import options
-from dtlab.core.config import MODELS, PRECISIONS, RunConfig
+from dtlab.core.config import MODELS, PRECISIONS, TEXT_MODELS, RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.launch import netns
 from dtlab.launch.local import LaunchStopped
@@ -205,7 +205,7 @@ class Lab:
     def config(self) -> RunConfig:
         """The RunConfig the controls describe (raises ValueError naming what is wrong)."""
         tier = self.tier.value
-        text = self.model.value == "charformer"
+        text = self.model.value in TEXT_MODELS
         return RunConfig(tier=tier, world_size=1 if tier == "single" else self.world_size.value,
                          model=self.model.value, model_size=self.model_size.value,
                          dataset="text" if text else "digits", global_batch_size=self.batch.value,

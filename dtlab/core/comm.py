@@ -46,7 +46,8 @@ def events_frame(rows: list[dict[str, Any]]) -> Any:
     """Events as a DataFrame with duration and bandwidth columns (bytes/s)."""
     import pandas as pd
 
-    extra = [k for k in (rows[0] if rows else {}) if k not in FIELDS]  # e.g. the RPC recorder's caller
+    # e.g. the RPC recorder's caller, an all-to-all's split sizes (only its rows have them)
+    extra = list(dict.fromkeys(k for row in rows for k in row if k not in FIELDS))
     df = pd.DataFrame(rows, columns=list(FIELDS) + extra)
     df["duration_s"] = df["end"] - df["start"]
     dur = df["duration_s"].where(df["duration_s"] > 0)
@@ -69,7 +70,8 @@ def chrome_trace(events: list[dict[str, Any]], phases: list[dict[str, Any]] = ()
     for e in events:
         out.append({"name": e["op"], "cat": "comm", "ph": "X", "pid": int(e["rank"]), "tid": "comm",
                     "ts": (e["start"] - t0) * 1e6, "dur": max(0.0, e["end"] - e["start"]) * 1e6,
-                    "args": {k: e[k] for k in ("bytes", "dtype", "group_size", "peer", "wait_s", "tag", "step")}})
+                    "args": {k: e[k] for k in ("bytes", "dtype", "group_size", "peer", "wait_s", "tag", "step",
+                                               "input_splits", "output_splits") if k in e}})
     for rank in sorted({int(x["pid"]) for x in out}):
         out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}

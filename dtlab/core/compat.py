@@ -100,13 +100,47 @@ def fsdp_default_comms() -> tuple[type, type] | None:
 def wrap_pipeline_stage_init(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Replace the schedule's first-step stage initialisation (a shape exchange) by ``wrap(init)``.
 
-    Returns False, changing nothing, where the schedule has no ``_initialize_stage``: tagging is a nicety.
+    Returns False, changing nothing, where the schedule has no ``_initialize_stage`` (one stage per rank)
+    or ``_initialize_stages`` (several): tagging is a nicety.
     """
-    init = getattr(schedule, "_initialize_stage", None)
-    if init is None:
-        return False
-    schedule._initialize_stage = wrap(init)
-    return True
+    for name in ("_initialize_stage", "_initialize_stages"):
+        init = getattr(schedule, name, None)
+        if init is not None:
+            setattr(schedule, name, wrap(init))
+            return True
+    return False
+
+
+def pipeline_actions(schedule_cls: type, world: int, placement: list[list[int]], microbatches: int,
+                     transfers: bool = False) -> dict[int, list[tuple[int, str, int]]]:
+    """Each rank's compute actions, (stage, "F" | "B" | "I" | "W", micro-batch), in the order a multi-stage
+    ``schedule_cls`` (``ScheduleInterleaved1F1B``, ...) runs them, without a process group: these build every
+    rank's order (``pipeline_order``, of private ``_Action``s, the list their runtime executes) from the
+    stages' indices and counts alone, so stand-ins holding those serve. ``placement[r]``: the stage indices
+    rank r holds. Overlapped F+B actions are split into their parts (on a CPU they run one after the other).
+    With ``transfers``: the transfers instead ("SEND_F" | "RECV_F" | "SEND_B" | "RECV_B", from the lowered
+    ``pipeline_order_with_comms``), one per point-to-point op the rank posts, in its order.
+    Not for the one-stage schedules: their ``pipeline_order`` is a drawing aid, not what they run."""
+    from types import SimpleNamespace
+
+    total = sum(len(p) for p in placement)
+
+    def stand_in(index: int) -> SimpleNamespace:
+        return SimpleNamespace(group_size=world, group_rank=0, num_stages=total, stage_index=index, submod=None,
+                               is_first=index == 0, is_last=index == total - 1)
+
+    kinds = ("SEND_F", "RECV_F", "SEND_B", "RECV_B") if transfers else ("F", "B", "I", "W")
+    try:
+        schedule = schedule_cls([stand_in(i) for i in placement[0]], n_microbatches=microbatches)
+        order = schedule.pipeline_order_with_comms if transfers else schedule.pipeline_order
+        out: dict[int, list[tuple[int, str, int]]] = {}
+        for rank in range(world):
+            parts = [sub for a in order[rank] if a is not None for sub in (a.sub_actions or (a,))]
+            out[rank] = [(p.stage_index, p.computation_type.value, p.microbatch_index) for p in parts
+                         if p.computation_type.value in kinds]
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise _missing(f"{schedule_cls.__name__}.pipeline_order built from stage stand-ins", exc) from None
+    return out
 
 
 # -- RPC -------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from typing import Any
 
 from dtlab.core import registry
 
-MODELS = ("mlp", "cnn", "cnn-bn", "charformer")
+MODELS = ("mlp", "cnn", "cnn-bn", "charformer", "moe")
+TEXT_MODELS = ("charformer", "moe")  # the models that read characters (dataset="text")
 DATASETS = ("synthetic", "digits", "text")
 OPTIMIZERS = ("sgd", "adam")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -99,6 +100,12 @@ class RunConfig:
     # Recompute each block's forward in backward (torch.utils.checkpoint): activation memory for compute
     activation_checkpointing: bool = False
     precision: str = "fp32"  # "bf16": forward and loss under autocast (bf16 matmuls, fp32 parameters)
+    # model="moe" only (dtlab.core.moe): experts per layer, experts per token, the capacity per expert as a
+    # multiple of an even share (0: dropless) and the load-balancing loss's weight in the loss
+    experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
     tier_options: Any = None
 
     def __post_init__(self) -> None:
@@ -126,10 +133,10 @@ class RunConfig:
             _fail("model", self.model, "must be a name, an import path or a callable")
         if self.dataset not in DATASETS:
             _fail("dataset", self.dataset, f"choose one of {', '.join(DATASETS)}")
-        if self.model == "charformer" and self.dataset != "text":
-            _fail("model", self.model, "charformer reads characters: use dataset='text'")
+        if self.model in TEXT_MODELS and self.dataset != "text":
+            _fail("model", self.model, f"{self.model} reads characters: use dataset='text'")
         if self.dataset == "text" and self.model in ("mlp", "cnn", "cnn-bn"):
-            _fail("dataset", self.dataset, "the text data set needs model='charformer'")
+            _fail("dataset", self.dataset, "the text data set needs model='charformer' or 'moe'")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:
@@ -150,6 +157,7 @@ class RunConfig:
                 _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         spec = registry.get(self.tier)
         self._check_compute(spec)
+        self._check_experts(spec)
         if self.tier_options is None:
             object.__setattr__(self, "tier_options", spec.options())
         elif type(self.tier_options) is not spec.options:
@@ -168,9 +176,30 @@ class RunConfig:
                 able = [n for n in registry.names() if registry.get(n).activation_checkpointing]
                 _fail("activation_checkpointing", True, f"the {self.tier} tier does not run the model's blocks "
                       f"itself; use one of {', '.join(able)}")
-            if isinstance(self.model, str) and self.model in MODELS and self.model != "charformer":
+            if isinstance(self.model, str) and self.model in MODELS and self.model not in TEXT_MODELS:
                 _fail("activation_checkpointing", True, f"model={self.model!r} has no blocks to recompute: "
                       f"use model='charformer' (or a model with a .blocks list)")
+
+    def _check_experts(self, spec: registry.TierSpec) -> None:
+        for name in ("experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "must be an integer >= 1")
+        if self.top_k > self.experts:
+            _fail("top_k", self.top_k, f"each token picks top_k of the {self.experts} experts: at most experts")
+        if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) \
+                or not 0 <= self.capacity_factor < float("inf"):
+            _fail("capacity_factor", self.capacity_factor, "must be a number >= 0 (0: dropless)")
+        if isinstance(self.aux_loss_coef, bool) or not isinstance(self.aux_loss_coef, (int, float)) \
+                or not 0 <= self.aux_loss_coef < float("inf"):
+            _fail("aux_loss_coef", self.aux_loss_coef, "must be a number >= 0 (0: no load-balancing loss)")
+        # The load-balancing loss joins the loss where the loop runs the model's forward (dtlab.core.models)
+        if self.model == "moe" and ("moe" not in spec.models if spec.models else not spec.autocast):
+            able = [n for n in registry.names() if "moe" in registry.get(n).models
+                    or not registry.get(n).models and registry.get(n).autocast]
+            why = f"it splits {' and '.join(spec.models)} only" if spec.models else "its forward and loss are its own"
+            _fail("model", self.model, f"the {self.tier} tier does not run the moe model ({why}); use one of "
+                  f"{', '.join(able)}")
 
     # Derived values, so that every rank computes them the same way.
     @property

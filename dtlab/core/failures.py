@@ -133,6 +133,14 @@ class CollectiveTimeout(RankError):
     """A rank waited in one collective for longer than the launch's timeout."""
 
 
+class NoPeerToRecover(RuntimeError):
+    """A restarted replica group found no live peer to take its state from (they had all finished).
+
+    Raised inside the replica's ranks; the ``ft`` launcher reads it by name and records the replica as
+    not rejoined instead of restarting it again: starting over from step 0 alone would give a wrong model.
+    """
+
+
 @dataclass
 class ErrorReport:
     """What a rank process sends home when its function raises."""

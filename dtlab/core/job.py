@@ -10,6 +10,7 @@ import torch
 from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
+from dtlab.core.moe import Routing
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -20,11 +21,17 @@ def optimizer_factory(cfg: RunConfig) -> Callable[[Iterable[torch.nn.Parameter]]
     return functools.partial(cls, lr=cfg.lr)
 
 
+def routing(cfg: RunConfig) -> Routing:
+    """The ``moe`` model's knobs from the job."""
+    return Routing(cfg.experts, cfg.top_k, float(cfg.capacity_factor), float(cfg.aux_loss_coef))
+
+
 def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, datasets.Dataset]:
     """The seeded model and data every rank (and every tier) starts from."""
     data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth).to(device)
+    model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth,
+                         routing(cfg)).to(device)
     if cfg.activation_checkpointing:
         models.checkpoint_blocks(model)
     return model, data

@@ -132,11 +132,13 @@ class LiveActivations:
     ``begin``-ed (its forward and its loss); ``release(key)`` drops that
     micro-batch's tensors once its backward ran. ``peak`` is the most bytes held
     at once. A storage saved by several micro-batches (the batch their inputs are
-    views of) counts once, while any of them holds it.
+    views of) counts once, while any of them holds it. ``module``: its parameters as they
+    are at each save are left out too (FSDP swaps its all-gathered ones in and out).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), module: nn.Module | None = None) -> None:
         self._skip = {_local(t).untyped_storage().data_ptr() for t in exclude}
+        self._module = module
         self._owners: dict[int, tuple[int, set[Any]]] = {}  # storage -> (bytes, micro-batches holding it)
         self._held: dict[Any, set[int]] = {}  # micro-batch -> its storages
         self._current: Any = None
@@ -161,7 +163,11 @@ class LiveActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _local(t).untyped_storage() if t.device.type != "meta" else None
         ptr = storage.data_ptr() if storage is not None else 0
-        if ptr and ptr not in self._skip and self._current is not None:
+        if self._module is not None and ptr:  # only as they are now: a freed parameter's address is reused
+            skip = self._skip | {_local(p).untyped_storage().data_ptr() for p in self._module.parameters()}
+        else:
+            skip = self._skip
+        if ptr and ptr not in skip and self._current is not None:
             if ptr not in self._owners:
                 self._owners[ptr] = (storage.nbytes(), set())
                 self.now += storage.nbytes()

@@ -96,8 +96,9 @@ class CharFormer(nn.Module):
 
 
 def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
-          depth: int = 2) -> nn.Module:
-    """Make the model named by ``spec`` (built-in name, import path or callable)."""
+          depth: int = 2, routing: Any = None) -> nn.Module:
+    """Make the model named by ``spec`` (built-in name, import path or callable); ``routing``: the ``moe``
+    model's ``dtlab.core.moe.Routing`` (its defaults when None)."""
     if spec == "mlp":
         return mlp(input_shape, num_classes, width, depth)
     if spec == "cnn":
@@ -106,9 +107,12 @@ def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_clas
         return cnn(input_shape, num_classes, width, batchnorm=True)
     if spec == "charformer":
         return CharFormer(num_classes, input_shape[0], width, layers=depth)
+    if spec == "moe":
+        # deferred: import cycle: dtlab.core.moe builds on CharFormer, defined here
+        from dtlab.core import moe
+
+        return moe.MoEFormer(num_classes, input_shape[0], width, depth, routing or moe.Routing())
     if isinstance(spec, str):
-
-
         spec = resolve_import_path(spec)
     params = inspect.signature(spec).parameters
     model = spec(input_shape, num_classes) if len(params) >= 2 else spec()
@@ -164,6 +168,33 @@ def recompute_seconds(model: nn.Module) -> float:
 def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every prediction (any output rank): the training loss."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+# The auxiliary-loss protocol: a module whose forward computes a loss of its own (the moe model's
+# load-balancing loss) stores it, already scaled, as ``aux_loss`` (a 0-d tensor); training_loss adds
+# every module's to the task loss. The step-statistics protocol: a module with ``pop_step_stats()``
+# returns numbers gathered since the last call; the loop adds them to the step's row. The training
+# loop knows these two, not the modules behind them.
+def training_loss(model: nn.Module, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``loss(logits, target)`` plus the auxiliary losses the model's modules left from this forward."""
+    total = loss(logits, target)
+    for m in model.modules():
+        extra = getattr(m, "aux_loss", None)
+        if isinstance(extra, torch.Tensor):
+            total = total + extra
+            m.aux_loss = None  # read once: a later forward sets it again
+    return total
+
+
+def step_stats(model: nn.Module) -> dict[str, float]:
+    """The modules' ``pop_step_stats()``, summed by key (e.g. tokens per expert over all MoE layers)."""
+    out: dict[str, float] = {}
+    for m in model.modules():
+        pop = getattr(m, "pop_step_stats", None)
+        if callable(pop):
+            for key, value in pop().items():
+                out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-LAUNCHERS = ("local", "torchrun", "rpc")
+LAUNCHERS = ("local", "torchrun", "rpc", "ft")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,23 @@ class AgentPlan:
 
 
 @dataclass(frozen=True)
+class ReplicaPlan:
+    """How an ``ft`` tier's replica groups start: each group its own world, torchft's lighthouse between them.
+
+    A replica group that fails is restarted (up to ``max_restarts`` times) and rejoins through the lighthouse,
+    taking its state from a live peer; the others go on meanwhile.
+    """
+
+    replicas: int
+    ranks_per_replica: int
+    min_replicas: int = 1  # the lighthouse forms no quorum with fewer replica groups
+    max_restarts: int = 3  # per replica group
+    network: str = "loopback"  # "loopback", "netns" or "auto": one simulated host per replica group
+    link_mbit: float = 0.0  # cap of each simulated host's link (netns only); 0: uncapped
+    lighthouse_port: int = 0  # 0: a free port
+
+
+@dataclass(frozen=True)
 class TierSpec:
     """One tier: its name, knobs, checks and how it runs.
 
@@ -43,7 +60,8 @@ class TierSpec:
     it on every change); ``preflight(cfg)`` probes the environment and runs once,
     before any process starts. ``launcher`` says how ranks start: ``local`` (dtlab's
     launcher, the same function on every rank), ``torchrun`` (agents, see
-    ``agents``) or ``rpc`` (named RPC workers running ``rpc_main``).
+    ``agents``), ``rpc`` (named RPC workers running ``rpc_main``) or ``ft`` (replica
+    groups that fail and rejoin on their own, see ``replicas``).
     """
 
     name: str
@@ -57,6 +75,7 @@ class TierSpec:
     agents: Callable[[Any], AgentPlan] | None = None
     rpc_main: Callable[..., Any] | None = None
     rpc_names: Callable[[Any], list[str]] | None = None
+    replicas: Callable[[Any], ReplicaPlan] | None = None
     # The loop runs the model's forward (RunConfig.precision may autocast it) and the
     # model's blocks (RunConfig.activation_checkpointing may recompute them).
     autocast: bool = True
@@ -74,6 +93,8 @@ class TierSpec:
             raise ValueError(f"TierSpec {self.name!r}: a torchrun tier needs agents() and a Strategy")
         if self.launcher == "rpc" and (self.rpc_main is None or self.rpc_names is None):
             raise ValueError(f"TierSpec {self.name!r}: an rpc tier needs rpc_main and rpc_names")
+        if self.launcher == "ft" and (self.replicas is None or self.strategy is None):
+            raise ValueError(f"TierSpec {self.name!r}: an ft tier needs replicas() and a Strategy")
 
 
 _TIERS: dict[str, TierSpec] = {}

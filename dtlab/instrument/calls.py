@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -35,6 +36,13 @@ def arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, defa
     return args[index] if len(args) > index else default
 
 
+def group_peer(kwargs: dict[str, Any], key: str) -> Any:
+    """A peer given by its rank within ``group`` (``group_dst``/``group_src``) as its global rank, so that
+    events on a sub-group (a pipeline's ``pp`` dimension of a mesh) name the rank they reach."""
+    peer, group = kwargs.get(key), kwargs.get("group")
+    return dist.get_global_rank(group, peer) if peer is not None and group is not None else peer
+
+
 # How to read (bytes, peer) from each wrapped function's arguments. The size
 # convention is nccl-tests': all_gather counts the gathered output,
 # reduce_scatter the full input.
@@ -51,12 +59,28 @@ SIZE_RULES: dict[str, Callable[[tuple, dict], tuple[Any, Any]]] = {
     "gather": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 2, "dst")),
     "scatter": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 2, "src")),
     "barrier": lambda a, k: (None, None),
-    # pipelining passes group_dst/group_src (ranks within the group; global ones for the default group)
-    "send": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "dst", k.get("group_dst"))),
-    "recv": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "src", k.get("group_src"))),
-    "isend": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "dst", k.get("group_dst"))),
-    "irecv": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "src", k.get("group_src"))),
+    # pipelining passes group_dst/group_src (ranks within the group): recorded as global ranks
+    "send": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "dst", group_peer(k, "group_dst"))),
+    "recv": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "src", group_peer(k, "group_src"))),
+    "isend": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "dst", group_peer(k, "group_dst"))),
+    "irecv": lambda a, k: (arg(a, k, 0, "tensor"), arg(a, k, 1, "src", group_peer(k, "group_src"))),
 }
+
+
+def _even(tensor: Any, parts: int) -> list[int]:
+    rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+    return [rows // parts] * parts
+
+
+def all_to_all_splits(a: tuple, k: dict, parts: int) -> dict[str, list[int]]:
+    """``all_to_all_single``'s rows sent to and received from each rank (given, or the even split)."""
+    sent, got = arg(a, k, 3, "input_split_sizes"), arg(a, k, 2, "output_split_sizes")
+    return {"input_splits": list(sent) if sent else _even(arg(a, k, 1, "input"), parts),
+            "output_splits": list(got) if got else _even(arg(a, k, 0, "output"), parts)}
+
+
+# Extra event fields read from a call's arguments and the group's size: how an all-to-all splits its rows.
+EXTRA_RULES: dict[str, Callable[[tuple, dict, int], dict[str, Any]]] = {"all_to_all_single": all_to_all_splits}
 
 
 # Positions of the ``group`` and ``async_op`` arguments (None: not taken).

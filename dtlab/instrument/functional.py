@@ -14,6 +14,8 @@ tiers that use DTensor (``Strategy.functional_collectives``), and only when reco
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from dtlab.core.compat import module_tracker, process_group_size
 from dtlab.instrument.calls import dtype_name, tensor_nbytes
 from dtlab.instrument.recorder import CommRecorder
 
-__all__ = ["FUNCTIONAL_OPS", "FunctionalRecorder", "innermost_module"]
+__all__ = ["FUNCTIONAL_OPS", "FunctionalRecorder", "innermost_module", "modules_untracked"]
 
 # op name -> (dtlab op name, index of the group name, index of the group size or None, whether bytes are the
 # output's: nccl-tests' convention, as the c10d wrappers count them: all_gather counts what it gathers)
@@ -66,10 +68,12 @@ class FunctionalRecorder(TorchDispatchMode):
     def __enter__(self) -> FunctionalRecorder:
         if self.tracker is not None:
             self.tracker.__enter__()
+        _running.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        _running.remove(self)
         if self.tracker is not None:
             self.tracker.__exit__(*exc)
 
@@ -100,7 +104,12 @@ class FunctionalRecorder(TorchDispatchMode):
         group = args[group_at] if len(args) > group_at else kwargs.get("group_name", "")
         size = int(args[size_at]) if size_at is not None and len(args) > size_at else process_group_size(group)
         payload = out if output_bytes else args[0]
-        event = rec.add(op, tensor_nbytes(payload), dtype_name(payload), size, None, start, None, True)
+        extra = {}
+        if name == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group_name)
+            rows = args[0].shape[0] // max(size, 1)
+            extra = {"input_splits": list(args[2] or [rows] * size),
+                     "output_splits": list(args[1] or [out.shape[0] // max(size, 1)] * size)}
+        event = rec.add(op, tensor_nbytes(payload), dtype_name(payload), size, None, start, None, True, **extra)
         event[TAG] = self._module()  # which layer issued it
         for result in out if isinstance(out, (list, tuple)) else [out]:
             self._pending[_address(result)] = event
@@ -111,6 +120,26 @@ class FunctionalRecorder(TorchDispatchMode):
             return ""
         where = innermost_module(self.tracker.parents)
         return f"{where} (backward)" if self.tracker.is_bw and where else where
+
+
+_running: list[FunctionalRecorder] = []  # the recorders entered on this process, innermost last
+
+
+@contextlib.contextmanager
+def modules_untracked() -> Iterator[None]:
+    """Pause the running recorders' module trackers; events meanwhile name no module.
+
+    ModTracker hooks a grad hook onto each module's inputs; ``torch.autograd.grad`` then fails on a
+    leaf input ("A leaf node was passed to _will_engine_execute_node"), as in a pipeline stage's
+    first-step shape inference (``torch.distributed.pipelining``)."""
+    paused = [r.tracker for r in _running if r.tracker is not None]
+    for tracker in paused:
+        tracker.__exit__()
+    try:
+        yield
+    finally:
+        for tracker in paused:
+            tracker.__enter__()
 
 
 def _address(t: torch.Tensor) -> int:

@@ -26,6 +26,7 @@ from dtlab.core.comm import END, FIELDS, START, TAG, WAIT, events_frame
 from dtlab.core.timing import StepClock
 from dtlab.instrument.calls import (
     ALWAYS_ASYNC,
+    EXTRA_RULES,
     GROUP_ASYNC_POS,
     OP_CODES,
     SIZE_RULES,
@@ -167,9 +168,12 @@ class CommRecorder:
             self.live[2] = 0.0
 
     def add(self, op: str, nbytes: int, dtype: str, group_size: int, peer: Any, start: float,
-            end: float | None, is_async: bool) -> list:
+            end: float | None, is_async: bool, **extra: Any) -> list:
+        """A new event; ``extra`` fields (an all-to-all's split sizes) follow the FIELDS as one dict."""
         ev = [self.rank, len(self.events), op, nbytes, dtype, group_size, peer, start, end, 0.0,
               is_async, self.tag, self.step]
+        if extra:
+            ev.append(extra)
         self.events.append(ev)
         return ev
 
@@ -178,6 +182,8 @@ class CommRecorder:
         out = []
         for ev in self.events:
             row = dict(zip(FIELDS, ev))
+            if len(ev) > len(FIELDS):
+                row.update(ev[len(FIELDS)])
             if row["end"] is None:
                 row["end"] = row["start"]
             row["start"] += self.clock_offset
@@ -231,6 +237,7 @@ def _handed_to_torch(depth: int = 2) -> bool:
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     rule = SIZE_RULES[name]
+    extra_rule = EXTRA_RULES.get(name)
     code = OP_CODES[name]
     always_async = name in ALWAYS_ASYNC
     group_pos, async_pos = GROUP_ASYNC_POS[name]
@@ -253,7 +260,8 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             rec.suppressed = False
         rec._leave()  # not reached on an exception: the op stays "in flight" for the launcher's report
         end = None if is_async else rec.now()
-        ev = rec.add(name, tensor_nbytes(payload), dtype_name(payload), size, peer, start, end, is_async)
+        extra = extra_rule(args, kwargs, size) if extra_rule is not None else {}
+        ev = rec.add(name, tensor_nbytes(payload), dtype_name(payload), size, peer, start, end, is_async, **extra)
         if is_async and work is not None:
             _watch_completion(work, ev)
             return work if _handed_to_torch() else _RecordedWork(work, ev, rec)

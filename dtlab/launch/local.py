@@ -45,6 +45,7 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "cloudpickle", "numpy
 _GRACE_S = 0.5  # after the first failure, time for the victims' reports to arrive
 _WATCHDOG_SLACK_S = 5.0  # the process group's own timeout gets the first chance to end a hung collective
 _forkserver_ready = False
+_MAIN_LOCK = threading.Lock()
 
 
 def _context(start_method: str) -> mp.context.BaseContext:
@@ -77,18 +78,21 @@ def _main_not_reimported() -> Any:
     references resolve; dtlab sends functions by value (cloudpickle), so the
     re-import is only harm: a script without a ``__main__`` guard would run again.
     """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__dict__["__spec__"] = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
-            if "__spec__" not in saved:
-                main.__dict__.pop("__spec__", None)
+    # One at a time: launches running side by side in threads (the ft launcher's replica groups) would
+    # otherwise save each other's blanked names and put those back.
+    with _MAIN_LOCK:
+        main = sys.modules.get("__main__")
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+        try:
+            if main is not None:
+                main.__dict__.pop("__file__", None)
+                main.__dict__["__spec__"] = None
+            yield
+        finally:
+            if main is not None:
+                main.__dict__.update(saved)
+                if "__spec__" not in saved:
+                    main.__dict__.pop("__spec__", None)
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> Any:

@@ -1,4 +1,5 @@
-"""Who holds what: a tensor's placements on a 1-D or 2-D device mesh, drawn as the slices each rank keeps.
+"""Who holds what: a tensor's placements on a 1-D or 2-D device mesh, drawn as the slices each rank keeps;
+a 3-D mesh (the ``nd`` tier's pp x dp x tp) as one 2-D dp x tp mesh per pipeline stage.
 
 A placement is written as ``DTensor`` prints it: ``S(d)`` (``Shard(d)``: each rank along that mesh
 dimension holds a slice of tensor dimension d), ``R`` (``Replicate()``: each holds all of it),
@@ -23,7 +24,7 @@ from matplotlib.patches import Rectangle
 from dtlab.plots.style import TIER_PALETTE, WIDTH
 
 __all__ = ["RANK_COLORS", "SHARED_COLOR", "chunk_slice", "draw_matrix", "draw_mesh", "draw_placement", "held_slices",
-           "shard_dim", "weight_placements"]
+           "shard_dim", "stage_placements", "weight_placements"]
 
 RANK_COLORS = TIER_PALETTE  # rank r in RANK_COLORS[r % 8]
 SHARED_COLOR = "0.75"  # a part that several ranks hold: grey, with the ranks written on it
@@ -122,24 +123,25 @@ def _holders(slices: Sequence[Slice]) -> dict[Slice, list[int]]:
 
 
 def draw_matrix(ax: Axes, shape: Sequence[int], slices: Sequence[Slice], title: str | None = None,
-                colors: Sequence[str] = RANK_COLORS) -> Axes:
+                colors: Sequence[str] = RANK_COLORS, ranks: Sequence[int] | None = None) -> Axes:
     """Draw a vector or matrix of ``shape`` with the slice each rank holds (``slices[rank]`` = (start, size)).
 
     Rows run top to bottom (dim 0), columns left to right (dim 1); a vector is one row, drawn thicker to be
     seen. A slice held by one rank has that rank's colour, one held by several is grey; each is labelled
-    with its rank numbers.
+    with its rank numbers: ``ranks[i]`` for ``slices[i]`` (default: i; a sub-mesh's global ranks).
     """
     if len(shape) not in (1, 2):
         raise ValueError(f"draw_matrix: a vector or a matrix, not a tensor of shape {list(shape)}")
     rows, cols = _as_matrix(shape)
     tall = 1 if len(shape) == 2 else max(1, cols // 6)
-    for piece, ranks in _holders(slices).items():
+    for piece, held in _holders(slices).items():
+        who = held if ranks is None else [ranks[i] for i in held]
         (r0, c0), (nr, nc) = _as_matrix(piece[0], fill=0), _as_matrix(piece[1])
-        one = len(ranks) == 1
-        color = colors[ranks[0] % len(colors)] if one else SHARED_COLOR
+        one = len(who) == 1
+        color = colors[who[0] % len(colors)] if one else SHARED_COLOR
         ax.add_patch(Rectangle((c0, r0 * tall), nc, nr * tall, facecolor=color, edgecolor="white", linewidth=1.2,
-                               label=f"rank {ranks[0]}" if one else SHARED_LABEL))
-        ax.text(c0 + nc / 2, (r0 + nr / 2) * tall, ",".join(map(str, ranks)), ha="center", va="center",
+                               label=f"rank {who[0]}" if one else SHARED_LABEL))
+        ax.text(c0 + nc / 2, (r0 + nr / 2) * tall, ",".join(map(str, who)), ha="center", va="center",
                 fontsize=7, color="white" if one else "black", clip_on=True)
     ax.add_patch(Rectangle((0, 0), cols, rows * tall, fill=False, edgecolor="black", linewidth=0.8))
     ax.set_xlim(-0.5, cols + 0.5)
@@ -156,28 +158,33 @@ def draw_matrix(ax: Axes, shape: Sequence[int], slices: Sequence[Slice], title: 
 
 
 def draw_placement(ax: Axes, shape: Sequence[int], placements: Sequence[str], mesh_shape: Sequence[int],
-                   title: str | None = None, local_shapes: Sequence[Sequence[int]] | None = None) -> Axes:
+                   title: str | None = None, local_shapes: Sequence[Sequence[int]] | None = None,
+                   ranks: Sequence[int] | None = None) -> Axes:
     """Draw which rank of a mesh of ``mesh_shape`` holds which part of a tensor of ``shape`` placed by
-    ``placements`` (see ``held_slices``); the title defaults to the shape and the placements."""
+    ``placements`` (see ``held_slices``); the title defaults to the shape and the placements. ``ranks``:
+    the global rank at each mesh position (default: the position)."""
     slices = held_slices(shape, placements, mesh_shape, local_shapes)
     if title is None:
         title = f"{'x'.join(map(str, shape))} {', '.join(placements)}"
-    return draw_matrix(ax, shape, slices, title)
+    return draw_matrix(ax, shape, slices, title, ranks=ranks)
 
 
 def draw_mesh(ax: Axes, mesh_shape: Sequence[int], dim_names: Sequence[str] = ("dp", "tp"),
-              title: str | None = None, colors: Sequence[str] = RANK_COLORS) -> Axes:
+              title: str | None = None, colors: Sequence[str] = RANK_COLORS,
+              ranks: Sequence[int] | None = None) -> Axes:
     """Draw a 1-D or 2-D device mesh: one square per rank, with its rank and its index on each mesh dimension.
 
-    ``dim_names``: one per mesh dimension, outermost first (a 1-D mesh is one row).
+    ``dim_names``: one per mesh dimension, outermost first (a 1-D mesh is one row). ``ranks``: the global
+    rank at each position (default: the position; a pipeline stage's mesh starts further on).
     """
     mesh = _mesh(mesh_shape)
     if len(dim_names) != len(mesh):
         raise ValueError(f"draw_mesh: {len(dim_names)} names {list(dim_names)} for a {len(mesh)}-D mesh {mesh}")
     rows, cols = (1, *mesh)[-2:]
-    for rank in range(math.prod(mesh)):
-        i, j = divmod(rank, cols)
-        where = "\n".join(f"{n} {c}" for n, c in zip(dim_names, np.unravel_index(rank, mesh)))
+    for index in range(math.prod(mesh)):
+        i, j = divmod(index, cols)
+        rank = index if ranks is None else ranks[index]
+        where = "\n".join(f"{n} {c}" for n, c in zip(dim_names, np.unravel_index(index, mesh)))
         ax.add_patch(Rectangle((j + 0.08, i + 0.08), 0.84, 0.84, facecolor=colors[rank % len(colors)], alpha=0.8))
         ax.text(j + 0.5, i + 0.5, f"rank {rank}\n{where}", ha="center", va="center", fontsize=7, color="white")
     ax.set_xlim(0, cols)
@@ -252,4 +259,43 @@ def weight_placements(shards: Sequence[Mapping[str, Mapping[str, Any]]], names: 
     _legend(fig)
     fig.suptitle(title or f"{len(shards)} ranks: who holds which part of each parameter "
                  "(rows = dim 0, columns = dim 1)", fontsize=9)
+    return fig
+
+
+def stage_placements(shards: Sequence[Mapping[str, Mapping[str, Any]]], names: Sequence[str],
+                     mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] = ("pp", "dp", "tp"),
+                     title: str | None = None, ncols: int = 4) -> Figure:
+    """A 3-D mesh (pp x dp x tp, the ``nd`` tier's) as one row per pipeline stage: the stage's dp x tp mesh of
+    global ranks, then which of its ranks holds which part of each of ``names`` that the stage holds.
+
+    ``shards[rank]``: that rank's ``strategy["shards"]`` (its own stage's parameters), checked as in
+    ``weight_placements``; rank = (stage * dp + row) * tp + column.
+    """
+    if len(mesh_shape) != 3 or len(mesh_dim_names) != 3:
+        raise ValueError(f"stage_placements: a 3-D mesh (pp, dp, tp) and its 3 names, not {list(mesh_shape)} "
+                         f"named {list(mesh_dim_names)}")
+    pp, grid = int(mesh_shape[0]), _mesh(mesh_shape[1:])
+    per = math.prod(grid)
+    if pp * per != len(shards):
+        raise ValueError(f"mesh shape {tuple(mesh_shape)} has {pp * per} ranks, but {len(shards)} reported placements")
+    stages = [(list(range(s * per, (s + 1) * per)), [n for n in names if n in shards[s * per]]) for s in range(pp)]
+    missing = [n for n in names if not any(n in held for _, held in stages)]
+    if missing or not names:
+        raise ValueError(f"stage_placements: no stage reports placements for {missing or 'any name'}")
+    width = min(ncols, max(len(held) for _, held in stages)) + 1
+    fig = Figure(figsize=(WIDTH, 1.0 + 1.7 * pp), layout="constrained")
+    axes = fig.subplots(pp, width, squeeze=False, gridspec_kw={"width_ratios": [1.4, *[1.0] * (width - 1)]})
+    for s, (ranks, held) in enumerate(stages):
+        draw_mesh(axes[s][0], grid, mesh_dim_names[1:], f"{mesh_dim_names[0]} {s}: ranks {ranks[0]}-{ranks[-1]}",
+                  ranks=ranks)
+        for ax, name in zip(axes[s][1:], held[:width - 1]):
+            entry = shards[ranks[0]][name]
+            label = f"{name}\n{'x'.join(map(str, entry['global_shape']))} {', '.join(entry['placements'])}"
+            draw_placement(ax, entry["global_shape"], entry["placements"], grid, label,
+                           [shards[r][name]["local_shape"] for r in ranks], ranks=ranks)
+        for ax in axes[s][1 + len(held):]:
+            ax.remove()
+    _legend(fig)
+    fig.suptitle(title or f"{len(shards)} ranks on a {' x '.join(map(str, mesh_shape))} mesh "
+                 f"({' x '.join(mesh_dim_names)}): each stage's parameters and who holds which part", fontsize=9)
     return fig

@@ -10,9 +10,28 @@ from __future__ import annotations
 
 from dtlab.core import registry
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import cp, ddp, ddp_naive, dp, elastic, fsdp, fsdp_tp, multinode, pipeline, rpc, single, tp, zero
+from dtlab.tiers import (
+    cp,
+    ddp,
+    ddp_naive,
+    diloco,
+    dp,
+    elastic,
+    ep,
+    fsdp,
+    fsdp_tp,
+    ft,
+    multinode,
+    nd,
+    pipeline,
+    rpc,
+    single,
+    tp,
+    zero,
+)
 
-for _module in (single, dp, ddp_naive, ddp, zero, rpc, pipeline, fsdp, multinode, elastic, tp, fsdp_tp, cp):
+for _module in (single, dp, ddp_naive, ddp, zero, rpc, pipeline, fsdp, multinode, elastic, ft, diloco, tp, fsdp_tp,
+                cp, ep, nd):
     registry.register(_module.SPEC)
 
 TIERS: tuple[str, ...] = registry.names()

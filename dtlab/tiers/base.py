@@ -4,8 +4,8 @@ The training loop calls only these methods, so it never knows which tier
 runs. A tier overrides the few it needs. In order, per rank:
 
     wrap -> make_optimizer -> for each step: on_step_start, (no_sync) forward/backward
-    or run_step, sync_gradients, optimizer step, on_step_end -> memory, finish; on_error if
-    anything raised.
+    or run_step, sync_gradients, optimizer step, on_step_end, next_step -> memory, finish;
+    on_error if anything raised.
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ class Strategy:
 
     def on_step_end(self, step: int) -> None:
         """After step ``step``'s optimizer step: ``step + 1`` steps are done."""
+
+    def next_step(self, step: int) -> int:
+        """The step the loop runs after ``step``: the next one, unless the tier could not commit this one
+        (a fault-tolerant tier runs it again) or has caught up with its peers (it jumps to their step)."""
+        return step + 1
 
     def on_error(self, exc: BaseException) -> None:
         """Anything raised on this rank, before it propagates (e.g. to shrink the next attempt's batch)."""

@@ -15,21 +15,24 @@ child with parameters; any other model is one unit, the root.
 On CPU FSDP2 runs its collectives synchronously in the training thread (its
 overlap comes from CUDA streams), so every all-gather and reduce-scatter is
 exposed; ``comm_exposure`` measures that.
+
+HSDP (``replicate`` > 1): the ranks form a ``replicate`` x ``world_size / replicate``
+mesh. Each row (a group) shards the model as above; the rows hold the same shards. A
+unit's gradients are reduce-scattered within its row, then all-reduced down its column
+(the ranks holding the same shard): all-gathers and reduce-scatters stay in a group as
+small as a node, and only each rank's gradient shard crosses between groups.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtlab.core.compat import fsdp_default_comms
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import resolve_backend
@@ -37,8 +40,8 @@ from dtlab.core.job import OptimizerFactory
 from dtlab.core.memory import tensor_bytes
 from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.recorder import active
 from dtlab.tiers import base, checkpoint
+from dtlab.tiers.fsdp_comms import record_comms
 from dtlab.tiers.sharded import meta_copy, plain_copy
 
 __all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "preflight", "shard_units", "validate"]
@@ -58,6 +61,8 @@ class Options:
     checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
     checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+    # HSDP: shard within groups of world_size / replicate ranks, replicate across the replicate groups
+    replicate: int = 1
 
 
 def validate(cfg: RunConfig) -> None:
@@ -78,6 +83,11 @@ def validate(cfg: RunConfig) -> None:
     if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
     checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+    if not isinstance(o.replicate, int) or isinstance(o.replicate, bool) or o.replicate < 1:
+        raise ValueError(f"{name}.replicate={o.replicate!r} is invalid: must be an integer >= 1")
+    if cfg.world_size % o.replicate:
+        raise ValueError(f"{name}.replicate={o.replicate} is invalid: it must divide world_size={cfg.world_size} "
+                         "(replicate groups of world_size / replicate ranks each)")
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -88,58 +98,11 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules that get their own ``fully_shard`` (the root gets one too), in forward order."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, (nn.Sequential, nn.ModuleList)):
-        return [(f"blocks.{i}", block) for i, block in enumerate(blocks)]
+        # the blocks' own names: a pipeline stage's keep the whole model's numbering
+        return [(f"blocks.{name}", block) for name, block in blocks.named_children()]
     if isinstance(model, nn.Sequential):
         return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
     return []
-
-
-def _recording_comms(units: dict[nn.Module, str], pass_of: dict[str, str], gathering: Callable[[str], None]) -> None:
-    """Route each unit's all-gather and reduce-scatter through the CommRecorder's wrapped functions.
-
-    ``gathering(unit)`` is called just before each all-gather (for the memory count).
-
-    FSDP2 in torch 2.13 calls ``dist.all_gather_single`` and ``dist.reduce_scatter_single``,
-    which the recorder does not wrap; the custom comms call the equivalent
-    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and tag each event
-    ``fsdp:<pass>:<unit>`` (as ddp's comm hook tags its buckets).
-    """
-    defaults = fsdp_default_comms()
-    if defaults is None:  # older FSDP2 calls all_gather_into_tensor itself: the recorder sees it as is
-        return
-    DefaultAllGather, DefaultReduceScatter = defaults  # noqa: N806 - classes
-
-    class RecordedAllGather(DefaultAllGather):
-        def __init__(self, unit: str) -> None:
-            super().__init__()
-            self.unit = unit
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                     async_op: bool = False) -> Any:
-            gathering(self.unit)
-            rec = active()
-            if rec is None:
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-            with rec.tagged(f"fsdp:{pass_of['now']}:{self.unit}"):
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    class RecordedReduceScatter(DefaultReduceScatter):
-        def __init__(self, unit: str) -> None:
-            super().__init__()
-            self.unit = unit
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:
-            rec = active()
-            if rec is None:
-                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            with rec.tagged(f"fsdp:backward:{self.unit}"):
-                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-    for module, unit in units.items():
-        if hasattr(module, "set_custom_all_gather"):
-            module.set_custom_all_gather(RecordedAllGather(unit))
-            module.set_custom_reduce_scatter(RecordedReduceScatter(unit))
 
 
 class Strategy(base.Strategy):
@@ -167,10 +130,15 @@ class Strategy(base.Strategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         self._template = meta_copy(model)  # a plain twin that rank 0 evaluates with the full parameters
-        return self.shard(model, init_device_mesh(self.info.device.type, (self.info.world_size,)))
+        r, world, device = self.options.replicate, self.info.world_size, self.info.device.type
+        # HSDP: over a 2-D mesh fully_shard shards along the second dimension, replicates along the first
+        mesh = init_device_mesh(device, (world,)) if r == 1 else \
+            init_device_mesh(device, (r, world // r), mesh_dim_names=("replicate", "shard"))
+        return self.shard(model, mesh)
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters)."""
+        """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters;
+        2-D: replicate x shard, HSDP)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         dtype = MIXED_PRECISION[self.options.mixed_precision]
@@ -197,7 +165,7 @@ class Strategy(base.Strategy):
         self.units = list(named.values())
         if self.counts_gathered:
             self._count_units(model, named, dtype)
-        _recording_comms(named, self._pass, self.gathering)
+        record_comms(named, self._pass, self.gathering, hsdp=mesh.ndim == 2)
 
         def forward_starts(*_: Any) -> None:
             self._pass["now"] = "forward"
@@ -274,7 +242,7 @@ class Strategy(base.Strategy):
         out: dict[str, Any] = {"fsdp_units": self.units, "num_units": len(self.units),
                                "reshard_after_forward": self.options.reshard_after_forward,
                                "mixed_precision": self.options.mixed_precision,
-                               "cpu_offload": self.options.cpu_offload,
+                               "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate,
                                "gathered_after_forward_bytes": self.gathered_after_forward,
                                "unit_bytes": dict(self._unit_bytes)}
         return {**out, **self.checkpoints.describe()}

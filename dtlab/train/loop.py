@@ -56,7 +56,8 @@ class _Loop:
 
     def run(self) -> None:
         last_report = 0.0
-        for step in range(self.start, self.cfg.steps):
+        step = self.start
+        while step < self.cfg.steps:
             self.recorder.step = step
             self.strategy.on_step_start(step)
             row = self.step(step)
@@ -67,6 +68,7 @@ class _Loop:
                 report(step=step + 1, total=self.cfg.steps, loss=row["loss"], desc=f"{self.cfg.tier} rank 0",
                        samples_per_s=row["samples"] * self.info.world_size / row["total"])
                 last_report = now
+            step = self.strategy.next_step(step)  # step + 1, unless the tier must repeat or skip ahead
         self.recorder.step = self.cfg.steps
 
     def step(self, step: int) -> dict[str, float]:
@@ -97,7 +99,8 @@ class _Loop:
         if step == self.start:
             self.memory["optimizer_state"] = optimizer_state_bytes(self.optimizer)
         # NaN on ranks that compute no loss (early pipeline stages)
-        row = {"step": step, "loss": float(step_loss), "samples": len(idx), **self.step_times(first_phase)}
+        row = {"step": step, "loss": float(step_loss), "samples": len(idx), **self.step_times(first_phase),
+               **models.step_stats(model)}
         if self.cfg.activation_checkpointing:  # part of backward: seconds spent running blocks again
             recomputed = models.recompute_seconds(model)
             row["recompute"], self.recomputed = recomputed - self.recomputed, recomputed
@@ -131,7 +134,7 @@ class _Loop:
                 a = mark()
                 with SavedActivations() if step == self.start and micro == 0 else _nothing() as acts:
                     with self.autocast():  # the forward and the loss only: backward follows the forward's dtypes
-                        loss = models.loss(model(xm), ym)
+                        loss = models.training_loss(model, model(xm), ym)
                     if accum > 1:
                         loss = loss / accum
                 if micro == 0:

@@ -2,8 +2,10 @@
 
 This is the one place that reaches the launchers. A tier says how its ranks
 start (``TierSpec.launcher``): ``local`` ranks from dtlab's launcher, torchrun
-agents (``TierSpec.agents``: nodes, restarts, simulated hosts), or named RPC
-workers. Everything that probes the machine runs here, before any process starts.
+agents (``TierSpec.agents``: nodes, restarts, simulated hosts), named RPC
+workers, or replica groups around torchft's lighthouse (``TierSpec.replicas``,
+``dtlab.train.replicas``). Everything that probes the machine runs here, before
+any process starts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from dtlab.core import registry
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
-from dtlab.core.registry import AgentPlan, TierSpec
+from dtlab.core.registry import AgentPlan, ReplicaPlan, TierSpec
 from dtlab.core.results import RunResult
 from dtlab.launch import netns
 from dtlab.launch.contract import Progress
@@ -26,6 +28,7 @@ from dtlab.launch.local import launch
 from dtlab.launch.rpc import launch_rpc
 from dtlab.launch.torchrun import Node, launch_torchrun
 from dtlab.train.loop import train
+from dtlab.train.replicas import run_replicas
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -35,6 +38,8 @@ def preflight(cfg: RunConfig) -> None:
     spec.preflight(cfg)
     if spec.agents is not None:
         resolve_network(spec.agents(cfg))
+    if spec.replicas is not None:
+        resolve_network(spec.replicas(cfg))
 
 
 def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forkserver", record: bool = True,
@@ -51,13 +56,17 @@ def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forks
         return _run_torchrun(cfg, spec, progress=progress, record=record, stop=stop)
     if spec.launcher == "rpc":
         return _run_rpc(cfg, spec, progress=progress, record=record, stop=stop)
+    if spec.launcher == "ft":
+        plan = spec.replicas(cfg)
+        return run_replicas(cfg, plan, resolve_network(plan), progress=progress, record=record, stop=stop,
+                            start_method=start_method)
     start = time.perf_counter()
     out = launch(train, spec.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
                  timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record, stop=stop)
     return RunResult(cfg, out.values, time.perf_counter() - start, out.logs, out.events)
 
 
-def resolve_network(plan: AgentPlan) -> tuple[str, str]:
+def resolve_network(plan: AgentPlan | ReplicaPlan) -> tuple[str, str]:
     """("netns" | "loopback", why loopback where namespaces were asked for but cannot be made here).
 
     ``network="netns"`` that cannot run here is an error (ValueError), before any process starts.

@@ -12,6 +12,8 @@ own ``--model pkg.mod:factory`` is counted the same way as the built-ins.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
+from dtlab.core.job import routing
 from dtlab.core.memory import SavedActivations
+from dtlab.core.moe import Routing, routing_of
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,27 @@ def shapes(cfg: RunConfig) -> Shapes:
 
 
 def fake_model(cfg: RunConfig, s: Shapes, mode: FakeTensorMode) -> nn.Module:
-    """The job's model, on fake tensors (with its blocks checkpointed if the job asks for it)."""
+    """The job's model, on fake tensors (with its blocks checkpointed if the job asks for it).
+
+    A MoE layer's routing depends on values fake tensors lack: it assigns the tokens evenly
+    (``even_assign``), which leaves a dropless layer's saved bytes as they are: the experts'
+    rows add up to tokens x k however they are shared."""
     with mode:
-        model = models.build(cfg.model, s.input_shape, s.num_classes, cfg.model_size, cfg.model_depth)
+        model = models.build(cfg.model, s.input_shape, s.num_classes, cfg.model_size, cfg.model_depth, routing(cfg))
         if cfg.activation_checkpointing:
             models.checkpoint_blocks(model)
+    for layer in routing_of(model):
+        layer.assign = functools.partial(even_assign, layer.routing)
     return model
+
+
+def even_assign(r: Routing, expert_of: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``MoE.assign`` for a router that shares the assignments out evenly (capped at the capacity)."""
+    n = expert_of.numel()
+    counts = [n // r.experts + (e < n % r.experts) for e in range(r.experts)]
+    if r.capacity_factor > 0:
+        counts = [min(c, math.ceil(r.capacity_factor * n / r.experts)) for c in counts]
+    return torch.arange(sum(counts), device=expert_of.device), counts
 
 
 def storage_key(t: torch.Tensor) -> int:

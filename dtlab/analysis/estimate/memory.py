@@ -18,10 +18,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.analysis.estimate import activations as acts
+from dtlab.analysis.estimate import pipeline_walk
+from dtlab.analysis.estimate.experts import RULES as EXPERT_RULES
+from dtlab.analysis.estimate.mesh import RULES as MESH_RULES
 from dtlab.analysis.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.core.config import RunConfig
 from dtlab.tiers import fsdp as fsdp_tier
 from dtlab.tiers import pipeline
+from dtlab.tiers.pipeline_stages import MULTI_STAGE
 
 ADAM_STEP_BYTES = 4  # Adam's per-parameter ``step`` is a float32 scalar tensor
 DDP_FAMILY = ("ddp", "multinode", "elastic")
@@ -105,19 +109,21 @@ def zero(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
 
 
 def fsdp(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
-    """FSDP2: parameters, gradients and state sharded by rows; one unit per block plus the root."""
-    n = cfg.world_size
+    """FSDP2: parameters, gradients and state sharded by rows; one unit per block plus the root. HSDP
+    (``replicate`` > 1): sharded over the n = world / replicate ranks of a group, rank r holding shard r % n."""
+    n = cfg.world_size // getattr(cfg.tier_options, "replicate", 1)
     params = list(model.parameters())
     shard = sum(shard_rows(t, n) for t in params)
     memory = {"parameters": shard, "gradients": shard, "optimizer_state": 0,
               "activations": acts.activation_bytes(cfg, s, cfg.per_rank_batch),
               "comm_buffers": gathered_peak(cfg, model)}
-    notes = ["parameters and gradients split by rows, padded to ceil(rows / world) on every rank; the "
+    notes = [f"parameters and gradients split by rows, padded to ceil(rows / {n}) on every rank; the "
              "optimizer's moments take the unpadded rows (the last ranks may hold fewer)",
              "comm_buffers: the unsharded parameters held at once while the forward runs"]
     ranks = []
-    for r in range(n):
-        state = 0 if cfg.optimizer != "adam" else sum(2 * local_rows(t, n, r) + ADAM_STEP_BYTES for t in params)
+    for r in range(cfg.world_size):
+        state = 0 if cfg.optimizer != "adam" else sum(2 * local_rows(t, n, r % n) + ADAM_STEP_BYTES
+                                                      for t in params)
         ranks.append(RankMemory(r, memory | {"optimizer_state": state}, notes))
     return ranks
 
@@ -144,6 +150,13 @@ def pipelined(cfg: RunConfig, model: nn.Module, s: acts.Shapes, mode: FakeTensor
     """One stage per rank: its slice of the model, and the activations of every micro-batch the schedule
     keeps in flight on it (their forwards run together, so the batch they all slice counts once)."""
     opts = cfg.tier_options
+    if opts.schedule in MULTI_STAGE:  # several stages per rank: its actions walked one by one
+        ranks = []
+        for rank, params, saved, note in pipeline_walk.per_rank(cfg, model, s, mode):
+            p = sum(nbytes(t) for t in params)
+            ranks.append(RankMemory(rank, {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(
+                cfg, params), "activations": saved, "comm_buffers": 0}, [note]))
+        return ranks
     m, stages = opts.microbatches, cfg.world_size
     x, y = acts.batch(s, cfg.global_batch_size, mode)
     with mode:
@@ -167,7 +180,7 @@ def pipelined(cfg: RunConfig, model: nn.Module, s: acts.Shapes, mode: FakeTensor
 
 RULES: dict[str, Callable[..., list[RankMemory]]] = {
     "single": replicated, "ddp-naive": replicated, "ddp": replicated, "multinode": replicated,
-    "elastic": replicated, "zero": zero, "fsdp": fsdp, **TENSOR_PARALLEL_RULES}
+    "elastic": replicated, "zero": zero, "fsdp": fsdp, **TENSOR_PARALLEL_RULES, **EXPERT_RULES, **MESH_RULES}
 
 
 def per_rank(cfg: RunConfig) -> list[RankMemory]:

@@ -51,6 +51,7 @@ from dtlab.analysis.estimate.memory import nbytes, zero_partition
 from dtlab.core.compat import ddp_bucket_assignment
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
+from dtlab.tiers.pipeline_stages import MULTI_STAGE
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
 PROBED_TIERS = ("fsdp", "tp", "fsdp-tp", "cp")
@@ -152,6 +153,9 @@ def pipelined(cfg: RunConfig, link: LinkModel | LinkSet, notes: list[str]) -> tu
         p2p = sum(2 * link.predict("send_recv", b, 2) for b in (sends, received) if b)
         costs.append(st["forward"] + st["backward"] + p2p)
     notes.append(f"pipeline: {len(stages)} stages, {m} micro-batches, {cfg.tier_options.schedule}")
+    if cfg.tier_options.schedule in MULTI_STAGE:
+        notes.append(f"{cfg.tier_options.schedule}: priced as 1F1B over world_size stages; its smaller bubble and "
+                     "its transfers per stage (more stages, more hops) are not modelled")
     return schedule_seconds(costs, m, cfg.tier_options.schedule) + max(st["optimizer"] for st in stages), notes
 
 

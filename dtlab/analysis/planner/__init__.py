@@ -16,8 +16,16 @@ from __future__ import annotations
 from dtlab.analysis.planner.clusters import A100_80GB, CLUSTERS, H100_SXM, H200_SXM, Cluster
 from dtlab.analysis.planner.scaled import scaled_down, scaled_tier
 from dtlab.analysis.planner.search import KINDS, MFU, Layout, Plan, assumptions, evaluate, layouts, search
-from dtlab.analysis.planner.transformer import LLAMA2_7B, LLAMA2_70B, MODELS, TransformerSpec, from_charformer
+from dtlab.analysis.planner.transformer import (
+    LLAMA2_7B,
+    LLAMA2_70B,
+    MIXTRAL_8X7B,
+    MODELS,
+    TransformerSpec,
+    from_charformer,
+)
 
-__all__ = ["A100_80GB", "CLUSTERS", "H100_SXM", "H200_SXM", "KINDS", "LLAMA2_70B", "LLAMA2_7B", "MFU", "MODELS",
+__all__ = ["A100_80GB", "CLUSTERS", "H100_SXM", "H200_SXM", "KINDS", "LLAMA2_70B", "LLAMA2_7B", "MFU", "MIXTRAL_8X7B",
+           "MODELS",
            "Cluster", "Layout", "Plan", "TransformerSpec", "assumptions", "evaluate", "from_charformer", "layouts",
            "scaled_down", "scaled_tier", "search"]

@@ -1,7 +1,7 @@
 """A planned layout as a job this machine can run: the same kind of parallelism, at charformer size.
 
 The degrees shrink to what a few CPU processes hold (world size 2, or 4 for a
-2-D mesh), the model to a small ``charformer``; what survives is *which*
+2-D mesh), the model to a small ``charformer`` (``moe`` for expert parallelism); what survives is *which*
 strategies the layout combines, so a learner can watch them run and hold the
 memory estimate against what the ranks measure.
 """
@@ -29,6 +29,10 @@ def scaled_tier(row: Mapping[str, Any]) -> tuple[str, int, str]:
 
 def _degrees(row: Mapping[str, Any]) -> tuple[str, int, str]:
     dp, tpd, pp, stage = int(row["dp"]), int(row["tp"]), int(row["pp"]), int(row["zero"])
+    ep = int(row.get("ep", 1))
+    if ep > 1:
+        return "ep", 2, (f"ep={ep} -> expert parallel on 2 ranks (the moe model, 2 of its 4 experts each); dp={dp}, "
+                         f"tp={tpd}, pp={pp} and ZeRO stage {stage} are not combined here")
     if pp > 1:
         return "pipeline", 2, f"pp={pp} -> 2 pipeline stages (1F1B); dp={dp} and tp={tpd} are not combined here"
     if tpd > 1 and dp > 1:
@@ -70,7 +74,8 @@ def scaled_down(row: Mapping[str, Any], *, steps: int = 5, width: int = WIDTH) -
     spec = registry.get(tier)
     recompute = str(row.get("checkpointing", "none")) != "none" and spec.activation_checkpointing
     precision = "bf16" if row.get("precision") == "bf16" and spec.autocast else "fp32"
-    return RunConfig(tier=tier, world_size=world, model="charformer", dataset="text", model_size=width,
+    model = "moe" if tier == "ep" else "charformer"
+    return RunConfig(tier=tier, world_size=world, model=model, dataset="text", model_size=width,
                      model_depth=DEPTH, global_batch_size=BATCH, steps=steps, lr=0.003, optimizer="adam",
                      threads_per_rank=1, precision=precision, activation_checkpointing=recompute,
                      tier_options=_options(tier, micro_batches))

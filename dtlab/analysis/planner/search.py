@@ -2,7 +2,8 @@
 
 A layout is ``dp x tp x pp = N`` (Megatron's rank order: tensor-parallel ranks
 adjacent, so a tp group never leaves a node; then data parallel; pipeline stages
-outermost), a ZeRO stage (3 = FSDP), activation checkpointing (none, selective or
+outermost), for a mixture of experts an expert-parallel degree ``ep`` that divides dp
+(``planner.experts``), a ZeRO stage (3 = FSDP), activation checkpointing (none, selective or
 full), a micro-batch size (the global batch is cut into micro-batches: gradient
 accumulation, and the pipeline's micro-batches) and a precision.
 
@@ -19,7 +20,8 @@ Memory per GPU, by the kinds ``dtlab.estimate`` uses, on the stage that needs th
   on GPU Clusters Using Megatron-LM").
 * comm_buffers: stages 0-2: two gradient buckets (one reducing, one filling); stage 3:
   two layers' gathered parameters (one computing, one prefetched) and one layer's
-  gathered gradients; a pipeline's send and receive buffers.
+  gathered gradients; a pipeline's send and receive buffers; expert parallelism's
+  all-to-all send and receive buffers (a micro-batch's tokens x top_k rows each).
 
 Step time: compute from FLOPs / (peak x MFU), the pipeline bubble, and the
 collectives on the cluster's links (``Cluster.intra_link`` / ``inter_link``,
@@ -36,6 +38,7 @@ from typing import Any
 import pandas as pd
 
 from dtlab.analysis.planner.clusters import Cluster
+from dtlab.analysis.planner.experts import all_to_all_bytes, ep_assumptions, ep_time, per_gpu
 from dtlab.analysis.planner.transformer import RECOMPUTE, TransformerSpec
 
 __all__ = ["BUCKET_BYTES", "KINDS", "Layout", "MFU", "Plan", "assumptions", "evaluate", "layouts", "search"]
@@ -65,6 +68,7 @@ class Layout:
     checkpointing: str
     micro_batch: int
     precision: str
+    ep: int = 1  # expert parallel: the experts shared out over ep of the dp ranks
 
     @property
     def gpus(self) -> int:
@@ -78,8 +82,11 @@ def _positive_int(name: str, value: Any) -> None:
 
 def check_layout(model: TransformerSpec, cluster: Cluster, layout: Layout, global_batch: int) -> None:
     """ValueError, one line naming the field, for a layout that cannot run."""
-    for name in ("dp", "tp", "pp", "micro_batch"):
+    for name in ("dp", "tp", "pp", "micro_batch", "ep"):
         _positive_int(name, getattr(layout, name))
+    if layout.ep > 1 and (layout.dp % layout.ep or model.experts % layout.ep):
+        raise ValueError(f"ep={layout.ep} is invalid: it must divide dp={layout.dp} and the model's "
+                         f"{model.experts} expert(s)")
     if layout.tp > cluster.gpus_per_node or cluster.gpus_per_node % layout.tp:
         raise ValueError(f"tp={layout.tp} is invalid: a tensor-parallel group stays inside one node of "
                          f"{cluster.gpus_per_node} GPUs (tp must divide it)")
@@ -114,22 +121,23 @@ def layouts(model: TransformerSpec, cluster: Cluster, gpus: int, global_batch: i
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            for b in MICRO_BATCHES:
-                for zero in ZERO_STAGES if dp > 1 else (0,):
-                    for ckpt in RECOMPUTE:
-                        for precision in PRECISIONS:
-                            layout = Layout(dp, tp, pp, zero, ckpt, b, precision)
-                            try:
-                                check_layout(model, cluster, layout, global_batch)
-                            except ValueError:
-                                continue
-                            yield layout
+            for ep in [e for e in _divisors(dp) if model.experts % e == 0]:
+                for b in MICRO_BATCHES:
+                    for zero in ZERO_STAGES if dp > 1 else (0,):
+                        for ckpt in RECOMPUTE:
+                            for precision in PRECISIONS:
+                                layout = Layout(dp, tp, pp, zero, ckpt, b, precision, ep)
+                                try:
+                                    check_layout(model, cluster, layout, global_batch)
+                                except ValueError:
+                                    continue
+                                yield layout
 
 
 # -- memory -----------------------------------------------------------------------------
 def _stage_parameters(model: TransformerSpec, layout: Layout) -> tuple[int, int]:
     """Parameters per GPU on the first and on the last pipeline stage (the same stage when pp = 1)."""
-    layers = model.layers // layout.pp * model.layer_parameters(layout.tp)
+    layers = model.layers // layout.pp * model.layer_parameters(layout.tp, layout.ep)
     first = layers + model.embedding_parameters(layout.tp)
     last = layers + model.head_parameters(layout.tp)
     if layout.pp == 1:
@@ -146,23 +154,25 @@ def memory(model: TransformerSpec, layout: Layout, global_batch: int) -> dict[st
     sp = tp > 1  # sequence parallelism whenever tensor parallelism: Megatron's recommended setting
     per_layer = model.activation_bytes(b, tp, sp, layout.checkpointing, act_bytes)
     stage_layers = model.layers // pp
-    layer_params = model.layer_parameters(tp)
+    layer_params = model.layer_parameters(tp, layout.ep)
+    expert = stage_layers * model.expert_parameters(tp, layout.ep)  # data-parallel over dp / ep ranks only
     stages = []
     for index, psi in enumerate(_stage_parameters(model, layout)):
         in_flight = min(m, pp - index * (pp - 1)) if pp > 1 else 1  # 1F1B: pp on the first stage, 1 on the last
         acts = in_flight * stage_layers * per_layer
         if index == 1 or pp == 1:
             acts += model.output_activation_bytes(b, tp, act_bytes)
-        kinds = {"parameters": psi * p_bytes / (dp if layout.zero >= 3 else 1),
-                 "gradients": psi * g_bytes / (dp if layout.zero >= 2 else 1),
-                 "optimizer_state": psi * o_bytes / (dp if layout.zero >= 1 else 1),
-                 "activations": acts, "comm_buffers": 0.0}
+        shares = (psi - expert, expert, layout)  # ZeRO shards the experts over dp / ep ranks
+        kinds = {"parameters": per_gpu(*shares, p_bytes, 3), "gradients": per_gpu(*shares, g_bytes, 2),
+                 "optimizer_state": per_gpu(*shares, o_bytes, 1), "activations": acts, "comm_buffers": 0.0}
         if dp > 1 and layout.zero >= 3:
             kinds["comm_buffers"] = layer_params * (2 * p_bytes + g_bytes)
         elif dp > 1:
             kinds["comm_buffers"] = 2 * min(BUCKET_BYTES, psi * g_bytes)
         if pp > 1:
             kinds["comm_buffers"] += 2 * model.seq * b * model.hidden * act_bytes / (tp if sp else 1)
+        if layout.ep > 1:
+            kinds["comm_buffers"] += 2 * all_to_all_bytes(model, layout)
         stages.append(kinds)
     return max(stages, key=lambda k: sum(k.values()))
 
@@ -198,10 +208,11 @@ def step_time(model: TransformerSpec, cluster: Cluster, layout: Layout, global_b
         size = b * model.seq * model.hidden * act_bytes / (tp if tp > 1 else 1)
         pp_comm = 2 * (m + pp - 1) * link.predict("send_recv", size, 2)
     dp_comm, dp_exposed, where = _dp_time(model, cluster, layout, per_micro, m)
-    step = compute + bubble + tp_comm + pp_comm + dp_exposed
+    ep_comm = ep_time(model, cluster, layout, m)
+    step = compute + bubble + tp_comm + pp_comm + ep_comm + dp_exposed
     achieved = model.model_flops_per_token() * tokens / (step * layout.gpus * peak)
     return {"compute_s": compute, "bubble_s": bubble, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
-            "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "step_s": step, "dp_link": where,
+            "ep_comm_s": ep_comm, "dp_comm_s": dp_comm, "dp_exposed_s": dp_exposed, "step_s": step, "dp_link": where,
             "tokens_per_s": tokens / step, "mfu": achieved}
 
 
@@ -213,14 +224,19 @@ def _dp_time(model: TransformerSpec, cluster: Cluster, layout: Layout, per_micro
         return 0.0, 0.0, "none"
     link, where = _dp_link(cluster, layout)
     p_bytes, g_bytes, _ = STATE_BYTES[layout.precision]
-    psi = max(_stage_parameters(model, layout))
+    expert = model.layers // layout.pp * model.expert_parameters(layout.tp, layout.ep)
+    # the dense weights over all dp ranks, the experts over the dp / ep ranks holding the same ones
+    groups = [(max(_stage_parameters(model, layout)) - expert, dp), (expert, dp // layout.ep)]
+    groups = [(psi, n) for psi, n in groups if psi and n > 1]
     if layout.zero == 3:  # per micro-batch: gather for forward and backward, reduce-scatter the gradients
-        per = 2 * link.predict("all_gather", psi * p_bytes, dp) + link.predict("reduce_scatter", psi * g_bytes, dp)
+        per = sum(2 * link.predict("all_gather", psi * p_bytes, n) + link.predict("reduce_scatter", psi * g_bytes, n)
+                  for psi, n in groups)
         return m * per, m * max(0.0, per - per_micro), where
     if layout.zero == 2:  # reduce-scatter the gradients, all-gather the updated parameters
-        comm = link.predict("reduce_scatter", psi * g_bytes, dp) + link.predict("all_gather", psi * p_bytes, dp)
+        comm = sum(link.predict("reduce_scatter", psi * g_bytes, n) + link.predict("all_gather", psi * p_bytes, n)
+                   for psi, n in groups)
     else:
-        comm = link.predict("all_reduce", psi * g_bytes, dp)
+        comm = sum(link.predict("all_reduce", psi * g_bytes, n) for psi, n in groups)
     return comm, max(0.0, comm - BACKWARD_SHARE * per_micro), where
 
 
@@ -231,7 +247,7 @@ def evaluate(model: TransformerSpec, cluster: Cluster, layout: Layout, global_ba
     check_layout(model, cluster, layout, global_batch)
     kinds = memory(model, layout, global_batch)
     peak = sum(kinds.values())
-    row: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
+    row: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "zero": layout.zero,
                            "checkpointing": layout.checkpointing, "micro_batch": layout.micro_batch,
                            "micro_batches": global_batch // (layout.dp * layout.micro_batch),
                            "precision": layout.precision, **kinds, "peak_bytes": peak,
@@ -310,6 +326,7 @@ def assumptions(model: TransformerSpec, cluster: Cluster, gpus: int, global_batc
         "tensor parallel: 2 all-reduces of b x s x h activations forward, 2 backward per layer (Megatron-LM), 2 more "
         "when the forward is recomputed, on NVLink, none overlapped; sequence parallelism whenever tp > 1 (the "
         "same ring volume)",
+        *ep_assumptions(model),
         "data parallel: ring collectives on NVLink when the group fits in a node, else on the NICs of the group's "
         "GPUs on each node; ZeRO 0-1 all-reduce the gradients, ZeRO 2 reduce-scatters them and all-gathers the "
         "parameters, both overlapping the last micro-batch's backward; ZeRO 3 (FSDP) gathers every micro-batch's "
