@@ -37,6 +37,8 @@ DEMO_COMPARE = ("python -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --
 DEMO_SWEEP = "python -m dtlab.analysis.speedup --out results/demo"
 COSTMODEL = "python benchmarks/costmodel_error.py"  # writes into results/bench, the benchmarks' default
 LINK_SWEEP = "python benchmarks/link_sweep.py"
+DILOCO_LINK = "python benchmarks/diloco_link.py"
+FT_RECOVERY = "python benchmarks/ft_recovery.py"
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
@@ -49,6 +51,9 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/costmodel_error.csv": Figure(COSTMODEL, "results/bench/costmodel_error.csv"),
     "docs/figures/link_sweep.png": Figure(LINK_SWEEP, "results/bench/link_sweep.png"),
     "docs/figures/link_sweep.csv": Figure(LINK_SWEEP, "results/bench/link_sweep.csv"),
+    "docs/figures/diloco_link.png": Figure(DILOCO_LINK, "results/bench/diloco_link.png"),
+    "docs/figures/diloco_link.csv": Figure(DILOCO_LINK, "results/bench/diloco_link.csv"),
+    "docs/figures/ft_recovery.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery.csv"),
 }
 
 
