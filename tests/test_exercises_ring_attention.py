@@ -1,7 +1,10 @@
-"""Exercise ring_attention: the reference passes; wrong merges, collectives and extra rounds fail saying why.
+"""Exercise ring_attention: the reference passes; wrong merges, scales, collectives, extra rounds and kept blocks fail
+saying why.
 
-Each wrong solution below is a mistake a learner makes; each test asserts on the
-part of the feedback that names it. Most fail at world size 2, one launch each.
+Each wrong solution below is a mistake a learner makes; its row asserts on the part of the feedback that names
+it. The wrong solutions that return on every rank share one launch per world size (``check_each``). Names
+imported from torch.distributed at the top of this module are bound when a rank imports it, before that rank's
+recorder starts: a check must see the calls made through them all the same.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import P2POp, batch_isend_irecv, get_rank, get_world_size, irecv, isend
+from torch.distributed import all_gather as gather_every_block
 
 from dtlab.exercises import ring_attention
 from dtlab.exercises._check import run_check
+from tests.exercise_batch import check_each
 
 
 def launches_ranks(test):
@@ -62,7 +68,94 @@ def merged_by_log_sum_exp(q, k, v):
     return out
 
 
+def ring_with_names_imported_from_torch_distributed(q, k, v):
+    """The reference's algorithm, every call through a name bound before the recorder started."""
+    rank, n = get_rank(), get_world_size()
+    kv = torch.stack([k, v])
+    m, total, acc = torch.full((*q.shape[:-1], 1), -math.inf), torch.zeros(*q.shape[:-1], 1), torch.zeros_like(q)
+    for step in range(n):
+        incoming, works = kv, []
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            works = batch_isend_irecv([P2POp(isend, kv, (rank + 1) % n), P2POp(irecv, incoming, (rank - 1) % n)])
+        s = scores(q, kv[0])
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p, alpha = torch.exp(s - m_new), torch.exp(m - m_new)
+        total, acc, m = alpha * total + p.sum(-1, keepdim=True), alpha * acc + p @ kv[1], m_new
+        for work in works:
+            work.wait()
+        kv = incoming
+    return acc / total
+
+
 # -- wrong solutions ---------------------------------------------------------------------------------------------
+def gathered_through_a_name_imported_before_the_recorder(q, k, v):
+    """all_gather under another name, bound when this module was imported: the recorder must see it anyway."""
+    n = get_world_size()
+    ks, vs = [torch.empty_like(k) for _ in range(n)], [torch.empty_like(v) for _ in range(n)]
+    gather_every_block(ks, k)
+    gather_every_block(vs, v)
+    return torch.softmax(scores(q, torch.cat(ks, -2)), -1) @ torch.cat(vs, -2)
+
+
+def kept_every_block_for_one_softmax(q, k, v):
+    """A right ring and a right output, but every block kept until one plain softmax at the end."""
+    blocks = [(kb.clone(), vb.clone()) for kb, vb in ring_blocks(k, v)]
+    keys, values = torch.cat([b[0] for b in blocks], -2), torch.cat([b[1] for b in blocks], -2)
+    return torch.softmax(scores(q, keys), -1) @ values
+
+
+KEPT_BLOCKS = []
+
+
+def kept_every_block_in_a_global(q, k, v):
+    """The blocks go into a module-level list (as stacked K/V, detached): held all the same."""
+    KEPT_BLOCKS.clear()
+    for kb, vb in ring_blocks(k, v):
+        KEPT_BLOCKS.append(torch.stack([kb, vb]).detach())
+    kv = torch.cat(KEPT_BLOCKS, -2)
+    return torch.softmax(scores(q, kv[0]), -1) @ kv[1]
+
+
+def _kept_in_a_closure():
+    seen = []
+
+    def attend(q, k, v):
+        seen.clear()
+        keys = []
+        for kb, vb in ring_blocks(k, v):
+            keys.append(kb * 1.0)
+            seen.append(vb.double())  # the values widened: still the same numbers
+        return (torch.softmax(scores(q, torch.cat(keys, -2)), -1).double() @ torch.cat(seen, -2)).float()
+
+    return attend
+
+
+kept_values_in_a_closure = _kept_in_a_closure()
+
+
+def scaled_by_one_over_head_dim(q, k, v):
+    """The reference's merge with the scores divided by d, not sqrt(d)."""
+    return merged_by_log_sum_exp(q / math.sqrt(q.shape[-1]), k, v)
+
+
+def without_its_own_block(q, k, v):
+    """Attends to the blocks that arrive, and forgets the one it started with."""
+    out = lse = None
+    for step, (kb, vb) in enumerate(ring_blocks(k, v)):
+        if step == 0:
+            continue
+        s = scores(q, kb)
+        block_lse = torch.logsumexp(s, -1, keepdim=True)
+        block_out = torch.exp(s - block_lse) @ vb
+        if out is None:
+            out, lse = block_out, block_lse
+        else:
+            new = torch.logaddexp(lse, block_lse)
+            out, lse = torch.exp(lse - new) * out + torch.exp(block_lse - new) * block_out, new
+    return out
+
+
 def gathered_with_all_gather(q, k, v):
     n = dist.get_world_size()
     ks, vs = [torch.empty_like(k) for _ in range(n)], [torch.empty_like(v) for _ in range(n)]
@@ -146,13 +239,17 @@ def test_the_reference_passes_at_2_and_4_ranks():
     result = check(EX.solution)
     assert result.passed, result.feedback
     assert "at world sizes 2, 4" in result.feedback
+    assert "holding at most 3 ranks' K/V blocks at once (at n = 4)" in result.feedback
     assert "n=2: 768 in isend ×1, irecv ×1; n=4: 2,304 in isend ×3, irecv ×3" in result.feedback
 
 
+@pytest.mark.parametrize("fn", [merged_by_log_sum_exp, ring_with_names_imported_from_torch_distributed],
+                         ids=["log-sum-exp", "names-imported-from-torch-distributed"])
 @launches_ranks
-def test_a_log_sum_exp_merge_passes_too():
-    result = check(merged_by_log_sum_exp, world_sizes=(4,))
+def test_other_correct_designs_pass(fn):
+    result = check(fn, world_sizes=(4,))
     assert result.passed, result.feedback
+    assert "n=4: 2,304 in isend ×3, irecv ×3" in result.feedback
 
 
 @launches_ranks
@@ -162,49 +259,62 @@ def test_the_stub_fails_saying_what_to_write():
     assert "write ring attention: attend to your own K/V block" in feedback
 
 
+# Each wrong solution, the world size it is checked at, and the words its feedback must contain.
+WRONG = {
+    gathered_with_all_gather: (2, ["World size 2: rank 0 called dist.all_gather with random blocks: collectives "
+                                   "are not allowed here.", "passes K/V blocks around the ring with point-to-point "
+                                   "calls", "all_gather moves every block to every rank at once"]),
+    gathered_through_a_name_imported_before_the_recorder: (2, ["rank 0 called dist.all_gather with random blocks: "
+                                                               "collectives are not allowed here."]),
+    merged_without_rescaling_the_output: (2, ["World size 2: rank 0's output is wrong with random blocks: at [",
+                                              "must be rescaled to the new running maximum, by exp(m_old - m_new)"]),
+    merged_without_the_maximum: (2, ["output is wrong with large scores (queries ×50)", "it is nan",
+                                     "works on random blocks but gives inf or NaN once scores are large",
+                                     "Subtract each row's running maximum"]),
+    softmax_of_each_block_averaged: (2, ["wrong with random blocks", "each softmax normalised over its own block's "
+                                                                     "keys"]),
+    scaled_by_one_over_head_dim: (2, ["rank 0's output is wrong with random blocks",
+                                      "The scores are scaled by 1/head_dim = 1/8, not 1/√head_dim = 1/√8"]),
+    without_its_own_block: (4, ["rank 0's output is wrong with random blocks",
+                                "It is attention to every block but its own"]),
+    one_round_too_many: (2, ["World size 2: rank 0 sent 1,536 bytes with random blocks; ring attention passes its "
+                             "K and V blocks (768 bytes together) once in each of the n - 1 = 1 rounds: 768 bytes.",
+                             "An n-th round only brings every block back to its owner"]),
+    passed_on_in_float64: (2, ["World size 2: rank 0 sent a message of 1,536 bytes with random blocks; a K or V "
+                               "block is 384 bytes (float32), both stacked 768"]),
+    kept_every_block_for_one_softmax: (4, ["World size 4: rank 0 held all 4 ranks' K/V blocks at once with random "
+                                           "blocks", "kept_every_block_for_one_softmax's local blocks[…]",
+                                           "holds at most 3 blocks at a time"]),
+    kept_every_block_in_a_global: (4, ["rank 0 held all 4 ranks' K/V blocks at once with random blocks",
+                                       "global KEPT_BLOCKS[…]"]),
+    kept_values_in_a_closure: (4, ["rank 0 held all 4 ranks' K/V blocks at once with random blocks",
+                                   "attend's closure variable seen[…]"]),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """Every wrong solution's feedback: one launch per world size for all of them."""
+    out = {}
+    for n in (2, 4):
+        fns = {fn.__name__: fn for fn, (size, _) in WRONG.items() if size == n}
+        out.update(check_each(EX, fns, n))
+    return out
+
+
+@pytest.mark.parametrize("fn", list(WRONG), ids=[fn.__name__ for fn in WRONG])
 @launches_ranks
-def test_all_gather_is_rejected_as_a_collective():
-    feedback = check(gathered_with_all_gather).feedback
-    assert feedback.startswith("World size 2: rank 0 called dist.all_gather with random blocks: collectives are "
-                               "not allowed here.")
-    assert "passes K/V blocks around the ring with point-to-point calls" in feedback
-    assert "all_gather moves every block to every rank at once" in feedback
+def test_a_wrong_solution_fails_naming_its_cause(fn, verdicts):
+    feedback = verdicts[fn.__name__]
+    for phrase in WRONG[fn][1]:
+        assert phrase in feedback, feedback
 
 
 @launches_ranks
-def test_a_merge_that_does_not_rescale_the_output_is_told_to():
-    feedback = check(merged_without_rescaling_the_output).feedback
-    assert feedback.startswith("World size 2: rank 0's output is wrong with random blocks: at [")
-    assert "must be rescaled to the new running maximum, by exp(m_old - m_new)" in feedback
-
-
-@launches_ranks
-def test_a_merge_without_the_maximum_overflows_on_large_scores():
-    feedback = check(merged_without_the_maximum).feedback
-    assert "output is wrong with large scores (queries ×50)" in feedback and "it is nan" in feedback
-    assert "works on random blocks but gives inf or NaN once scores are large" in feedback
-    assert "Subtract each row's running maximum" in feedback
-
-
-@launches_ranks
-def test_blocks_normalised_apart_are_named():
-    feedback = check(softmax_of_each_block_averaged).feedback
-    assert "wrong with random blocks" in feedback and "each softmax normalised over its own block's keys" in feedback
-
-
-@launches_ranks
-def test_an_extra_round_is_counted_in_bytes():
-    feedback = check(one_round_too_many).feedback
-    assert feedback.startswith("World size 2: rank 0 sent 1,536 bytes with random blocks; ring attention passes its "
-                               "K and V blocks (768 bytes together) once in each of the n - 1 = 1 rounds: 768 bytes.")
-    assert "An n-th round only brings every block back to its owner" in feedback
-
-
-@launches_ranks
-def test_blocks_widened_to_float64_are_counted_in_bytes():
-    feedback = check(passed_on_in_float64).feedback
-    assert feedback.startswith("World size 2: rank 0 sent a message of 1,536 bytes with random blocks; a K or V "
-                               "block is 384 bytes (float32), both stacked 768")
+def test_a_wrong_solution_fails_the_same_through_check():
+    """The shared launch judges as check() does: one wrong solution through run_check, at 2 then 4 ranks."""
+    feedback = check(kept_every_block_for_one_softmax).feedback
+    assert feedback.startswith("World size 4: rank 0 held all 4 ranks' K/V blocks at once with random blocks")
 
 
 @launches_ranks

@@ -68,7 +68,8 @@ class Call:
 
     ``start`` is when it was issued and ``end`` when it was seen complete (None: never waited on), on the
     rank's ``time.perf_counter()`` clock, which every process of one machine shares; ``is_async`` says
-    whether it returned a work to wait on (``async_op=True``, ``isend``, ``irecv``).
+    whether it returned a work to wait on (``async_op=True``, ``isend``, ``irecv``). An all-to-all also
+    carries its split sizes, ``input_splits`` and ``output_splits``.
     """
 
     op: str
@@ -77,6 +78,10 @@ class Call:
     start: float = 0.0
     end: float | None = None
     is_async: bool = False
+    # all_to_all_single: the rows sent to and received from each rank (the event's input_splits and
+    # output_splits); None for other ops
+    input_splits: tuple[int, ...] | None = None
+    output_splits: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +355,40 @@ def sgd_reference(model: nn.Module, batch: Callable[[int], tuple[torch.Tensor, t
         opt.step()
         params.append(flat_params(model))
     return tuple(grads), tuple(params)
+
+
+def torch_call(exc: BaseException) -> tuple[str, dict[str, Any]] | None:
+    """The torch.distributed function an exception came out of, and its arguments: the name and locals of the
+    outermost frame of torch's distributed_c10d.py in the traceback (the function the learner called), so
+    that a checker can say which sizes did not fit. None when the exception did not pass through one."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return tb.tb_frame.f_code.co_name, dict(tb.tb_frame.f_locals)
+        tb = tb.tb_next
+    return None
+
+
+def scale_factor(got: torch.Tensor, ref: torch.Tensor, tol: float) -> float | None:
+    """c when ``got`` is c × ``ref`` (to within ``tol`` × max(1, |c|)), else None: the signature of a result off
+    by a factor, such as a sum where a mean belongs (n) or a division too many (1/n)."""
+    if got.shape != ref.shape or not ref.numel():
+        return None
+    g, r = got.double().reshape(-1), ref.double().reshape(-1)
+    norm = float(r @ r)
+    if norm == 0:
+        return None
+    c = float(g @ r) / norm
+    return c if max_abs(g, c * r) <= tol * max(1.0, abs(c)) else None
+
+
+def world_factor(c: float | None, n: int) -> str | None:
+    """"2×" when ``c`` is the world size ``n``, "1/2 of" when it is 1/n; else None."""
+    if c is not None and abs(c - n) <= 1e-3 * n:
+        return f"{n}×"
+    if c is not None and abs(c * n - 1) <= 1e-3:
+        return f"1/{n} of"
+    return None
 
 
 def first_collective(calls_per_rank: Sequence[Sequence[Call]]) -> tuple[int, Call] | None:

@@ -15,22 +15,38 @@ and gathers it again for backward.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import math
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.exercises._check import Call, Exercise, call_learner, ceil_div, max_abs, recorder_now, sgd_reference
+from dtlab.exercises._check import (
+    Call,
+    Exercise,
+    ExerciseError,
+    call_learner,
+    ceil_div,
+    max_abs,
+    recorder_now,
+    sgd_reference,
+    torch_call,
+)
+from dtlab.exercises._reach import (
+    Fingerprints,
+    Found,
+    held_values,
+    places,
+    reachable_tensors,
+    storage_bytes,
+    storage_key,
+    tensors_made,
+)
 
 GLOBAL_BATCH = 24  # divisible by 2 and 4: every rank gets an equal part
 FEATURES, WIDTH, CLASSES = 7, 10, 3  # 113 parameters, a prime: padded at every world size
@@ -107,82 +123,112 @@ class FlatUnit:
         size = self.padded_numel // world_size
         padded = torch.cat([initial(), torch.zeros(self.padded_numel - NUMEL)])
         self.shard = padded[rank * size:(rank + 1) * size].clone()
-        self._tracked: list[tuple[int, weakref.ref]] = []  # this step's (index in _KINDS, tensor)
-        self._forwards: list[float] = []
-        self._grad_at: float | None = None
+        self._seen = _Seen()
 
     def forward(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The logits of the MLP whose flat parameter is ``full`` (padded; it must require grad)."""
         if not isinstance(full, torch.Tensor) or full.shape != (self.padded_numel,):
             got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
             raise ValueError(f"unit.forward(full, x) takes the whole flat parameter gathered from every rank's "
-                             f"shard: a 1-D tensor of unit.padded_numel = {self.padded_numel} elements; got {got}")
+                             f"shard: a 1-D tensor of unit.padded_numel = {self.padded_numel} elements (the "
+                             f"{NUMEL} parameters padded to a multiple of the world size); got {got}")
         if not full.requires_grad:
             raise ValueError("unit.forward(full, x): full does not require grad, so backward would not compute its "
                              "gradient: call full.requires_grad_() first")
-        self._forwards.append(recorder_now())
-        self._track(0, full)
-        full.register_hook(self._gradient_arrived)
+        self._seen.forward(full)
+        full.register_hook(self._seen.gradient)
         w1, b1, w2, b2 = (p.view(s) for p, s in zip(full[:NUMEL].split([math.prod(s) for s in SHAPES]), SHAPES))
         return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
 
-    def _gradient_arrived(self, grad: torch.Tensor) -> None:
-        self._grad_at = recorder_now()
-        self._track(1, grad)
 
-    def _track(self, kind: int, t: torch.Tensor) -> None:
-        self._tracked.append((kind, weakref.ref(t)))
+class _Seen:
+    """What the checker notes in one step: when forward ran and its gradient arrived, and the whole parameter and
+    gradient (copies, and their storages), to name what a rank kept. The walk that looks for kept tensors skips
+    this object: these copies are the checker's."""
 
-    def _begin_step(self) -> None:
-        self._tracked, self._forwards, self._grad_at = [], [], None
+    def __init__(self) -> None:
+        self.forwards: list[float] = []
+        self.grad_at: float | None = None
+        self.copies: dict[str, torch.Tensor] = {}  # "param", "grad": the values of this step's
+        self.storages: dict[int, str] = {}  # storage key: "param" or "grad"
 
-    def _kept(self, collected: bool = False) -> list[tuple[str, int]]:
-        """What this step tracked that is still alive, other than the shard: (what it is, its storage's bytes)."""
-        own, seen, alive = self.shard.untyped_storage().data_ptr(), set(), []
-        for kind, ref in sorted(self._tracked, key=lambda tracked: tracked[0]):  # one storage, several names: the
-            t = ref()  # first in _KINDS says most (the gathered buffer passed to forward is "the full parameter")
-            storage = None if t is None else t.untyped_storage()
-            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in seen | {own}:
-                continue
-            seen.add(storage.data_ptr())
-            alive.append((_KINDS[kind], storage.nbytes()))
-        if not collected and sum(nbytes for _, nbytes in alive) > self.shard.nbytes:
-            gc.collect()  # a reference cycle may hold it: only a full collection frees that (slow, so only now)
-            return self._kept(collected=True)
-        return alive
+    def forward(self, full: torch.Tensor) -> None:
+        self.forwards.append(recorder_now())
+        self.copies["param"] = full.detach()[:NUMEL].clone()
+        self.storages[storage_key(full)] = "param"
+
+    def gradient(self, grad: torch.Tensor) -> None:
+        self.grad_at = recorder_now()
+        self.copies["grad"] = grad.detach()[:NUMEL].clone()
+        self.storages[storage_key(grad)] = "grad"
 
 
-_KINDS = ("the full parameter you passed to unit.forward", "the gradient of the full parameter",
-          "the all-gathered parameter", "the full gradient you reduce-scattered", "the tensor you all-reduced")
-# What a step keeps shows through weak references to the tensors it hands to unit.forward and to these
-# collectives: what is alive after the step was kept. op: (the argument holding them, its position, its _KINDS)
-_WATCHED = {"all_gather_into_tensor": ("output_tensor", 0, 2), "all_gather": ("tensor_list", 0, 2),
-            "reduce_scatter_tensor": ("input", 1, 3), "reduce_scatter": ("input_list", 1, 3),
-            "all_reduce": ("tensor", 0, 4)}
+_WHAT = {"param": "the whole flat parameter", "grad": "the whole flat gradient"}
 
 
-@contextlib.contextmanager
-def _watching(unit: FlatUnit) -> Iterator[None]:
-    """While inside, the collectives note their whole-sized tensors on ``unit`` (on top of the CommRecorder)."""
+def kept_whole(unit: FlatUnit, fn: Any,
+               made: Callable[[frozenset[int]], list[torch.Tensor]]) -> tuple[tuple[str, str, int], ...]:
+    """What a step left alive that holds the whole parameter's bytes or more: (where, what it is, its bytes).
 
-    def noting(fn: Callable[..., Any], key: str, pos: int, kind: int) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            value = kwargs.get(key, args[pos] if len(args) > pos else None)
-            for t in value if isinstance(value, list | tuple) else [value]:
-                if isinstance(t, torch.Tensor):
-                    unit._track(kind, t)
-            return fn(*args, **kwargs)
-        return wrapper
+    By storage, not by object: ``full.detach()``, ``full.data`` and views are other objects over full's
+    storage, a clone is other storage of the same size. First what the learner's code can reach -- the unit,
+    the globals and closure cells fn uses, and through them lists, dicts, objects and autograd graphs -- then
+    any tensor made since the first step that is still alive anywhere (``made``, from ``tensors_made``: a
+    module attribute of torch's, say), but the checker's own copies."""
+    whole, seen = 4 * NUMEL, unit._seen
+    found = [f for f in reachable_tensors({"unit": unit, "fn": fn}, skip=frozenset({id(seen)}))
+             if storage_bytes(f.tensor) >= whole]
+    if not found:
+        own = frozenset(id(t) for t in seen.copies.values())
+        found = [Found("a tensor alive outside the unit and what fn refers to (e.g. another module's attribute)",
+                       t) for t in made(own) if storage_bytes(t) >= whole]
+    kept, storages = [], set()
+    for f in found:
+        if storage_key(f.tensor) not in storages:
+            storages.add(storage_key(f.tensor))
+            kept.append((f.where, _what(f.tensor, seen), storage_bytes(f.tensor)))
+    return tuple(kept)
 
-    saved = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in _WATCHED]
-    for module, name, fn in saved:
-        setattr(module, name, noting(fn, *_WATCHED[name]))
-    try:
-        yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
+
+def _what(t: torch.Tensor, seen: _Seen) -> str:
+    kind = seen.storages.get(storage_key(t))
+    if kind is not None:
+        return f"{_WHAT[kind]} (a tensor over the storage of {'full' if kind == 'param' else 'full.grad'} itself)"
+    names = list(seen.copies)
+    shares = Fingerprints([seen.copies[k] for k in names]).shares(held_values([Found("", t)])) if names else []
+    copied = [k for k, share in zip(names, shares) if share > 0.99]
+    if copied:
+        return f"a copy of {_WHAT[copied[0]]}"
+    return "a tensor of the whole parameter's size"
+
+
+def _padding(exc: BaseException, unit: FlatUnit, rank: int, n: int, step: int) -> str | None:
+    """When a collective failed on sizes that are not n shards of the padded parameter: say so."""
+    call = torch_call(exc)
+    if call is None or call[0] not in GATHERS | SCATTERS:
+        return None
+    op, args = call
+    gather = op in GATHERS
+    names = ("output_tensor", "tensor_list", "input_tensor", "tensor") if gather else ("input", "input_list",
+                                                                                          "output", "output")
+    whole, part = (next((args[k] for k in names[i:i + 2] if args.get(k) is not None), None) for i in (0, 2))
+    whole_n, part_n = _numel(whole), _numel(part)
+    if whole_n is None or part_n is None or whole_n == n * part_n == unit.padded_numel:
+        return None
+    what = "output (the whole parameter)" if gather else "input (the whole gradient)"
+    return (f"rank {rank}'s {op} failed in step {step}: its {what} has {whole_n} elements where n × the shard's "
+            f"{part_n} = {n * part_n} fit. The flat parameter is padded to a multiple of the world size: "
+            f"unit.padded_numel = {unit.padded_numel} elements at n = {n}, not unit.numel = {NUMEL} -- gather into "
+            "(and reduce-scatter from) a tensor of unit.padded_numel elements, each rank's shard "
+            f"unit.padded_numel / n = {unit.padded_numel // n}.")
+
+
+def _numel(t: Any) -> int | None:
+    if isinstance(t, torch.Tensor):
+        return t.numel()
+    if isinstance(t, list | tuple) and all(isinstance(x, torch.Tensor) for x in t):
+        return sum(x.numel() for x in t)
+    return None
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------
@@ -215,25 +261,32 @@ def reference() -> tuple[torch.Tensor, ...]:
 @dataclass(frozen=True)
 class Step:
     """One rank's step: its shard after, its calls, when it called unit.forward, when backward reached the
-    tensor passed to it, and what of the step was still alive after it."""
+    tensor passed to it, and what of the whole parameter's size was still alive after it (where, what, bytes)."""
 
     shard: torch.Tensor
     calls: tuple[Call, ...]
     forwards: tuple[float, ...]
     grad_at: float | None
-    kept: tuple[tuple[str, int], ...]
+    kept: tuple[tuple[str, str, int], ...]
 
 
 def on_rank(info: Any, fn: Any) -> list[Step]:
     unit, steps = FlatUnit(info.rank, info.world_size), []
-    with _watching(unit):
+    with tensors_made() as made:  # what a step keeps is what it made and left alive
         for s in range(STEPS):
-            unit._begin_step()
-            x, y = _batch(s, info.rank, info.world_size)
-            value, calls = call_learner(fn, unit, x, y, LR, where=f"in step {s}")
+            unit._seen = _Seen()
+            x, y = (t.clone() for t in _batch(s, info.rank, info.world_size))  # not views of the whole batch
+            try:
+                value, calls = call_learner(fn, unit, x, y, LR, where=f"in step {s}")
+            except ExerciseError as err:
+                padding = _padding(err.__cause__ or err, unit, info.rank, info.world_size, s)
+                if padding is None:
+                    raise
+                raise ExerciseError(padding) from err
             del value  # a loss tensor would keep its graph, and with it the full parameter, alive
             shard = unit.shard.detach().reshape(-1).clone() if isinstance(unit.shard, torch.Tensor) else torch.empty(0)
-            steps.append(Step(shard, calls, tuple(unit._forwards), unit._grad_at, tuple(unit._kept())))
+            seen = unit._seen
+            steps.append(Step(shard, calls, tuple(seen.forwards), seen.grad_at, kept_whole(unit, fn, made)))
     return steps
 
 
@@ -249,7 +302,7 @@ def judge(n: int, ranks: list[list[Step]]) -> str | None:
     return None
 
 
-def _order(r: int, s: int, st: Step) -> str | None:
+def _order(r: int, s: int, st: Step) -> str | None:  # after _calls: one gather and one scatter were made
     if len(st.forwards) != 1:
         return (f"rank {r} called unit.forward {len(st.forwards)} times in step {s}: once per step, then backward, "
                 "as one process training on the whole batch does.")
@@ -309,13 +362,15 @@ def _parity(s: int, n: int, shards: list[torch.Tensor]) -> str | None:
 def _kept(s: int, n: int, steps: list[Step]) -> str | None:
     shard_bytes = 4 * ceil_div(NUMEL, n)
     for r, st in enumerate(steps):
-        if sum(nbytes for _, nbytes in st.kept) > shard_bytes:
-            what = " and ".join(f"{label} ({nbytes:,} bytes)" for label, nbytes in st.kept)
-            return (f"after step {s} rank {r} still holds {what}, more than its shard's {shard_bytes:,} bytes: "
-                    "the full parameter is kept between steps. An FSDP unit keeps only its shard between steps -- "
-                    "that is its memory saving. Let the whole parameter and its gradient go when the step ends "
-                    "(keep no reference to them, nor to a loss whose graph reaches them), or free a buffer you keep "
-                    "as FSDP does: t.untyped_storage().resize_(0).")
+        if not st.kept:
+            continue
+        what = "; ".join(f"{label} ({nbytes:,} bytes) in {places([where])}" for where, label, nbytes in st.kept[:3])
+        return (f"after step {s} rank {r} still holds {what}: more than its shard's {shard_bytes:,} bytes, so the "
+                "full parameter is kept between steps. An FSDP unit keeps only its shard between steps -- that is "
+                "its memory saving. Let the whole parameter and its gradient go when the step ends: keep no "
+                "reference to them, to a view, .detach() or .data of them (those share their storage), to a copy, "
+                "nor to a loss whose graph reaches them; or free a buffer you keep as FSDP does: "
+                "t.untyped_storage().resize_(0).")
     return None
 
 

@@ -37,12 +37,14 @@ from dtlab.exercises._check import (
     ops_used,
     sent_bytes,
 )
+from dtlab.exercises._reach import Fingerprints, Found, HeldWatch, fold, held_values, places
 
 HEADS, BLOCK, HEAD_DIM = 2, 6, 8
 # (the case's name in feedback, the factor on the queries): scaled queries give scores of 100 and more
 CASES = (("random blocks", 1.0), ("large scores (queries ×50)", 50.0))
 RTOL, ATOL = 1e-4, 1e-5  # float32 against float64: scores near 150 carry errors of a few 1e-6
 TOLERANCE = "rtol 1e-4, atol 1e-5"
+MOST_HELD = 3  # K/V blocks a rank may hold at once: the one in use, the one it sends and the one arriving
 
 DESCRIPTION = (
     "Write fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: the forward pass of ring attention "
@@ -53,11 +55,13 @@ DESCRIPTION = (
     "queries stay where they are; the K and V blocks travel around a ring with point-to-point calls only "
     "(dist.send, dist.recv, dist.isend, dist.irecv, dist.batch_isend_irecv; no collective): rank r sends only to "
     "(r + 1) % n and receives only from (r - 1) % n, in n - 1 rounds, each passing on one K block and one V block "
-    "(as two messages, or stacked in one), so that every block reaches every rank while no rank holds all of them. "
-    "gloo's send waits for its receiver: post each round's send and receive together and wait on both. Checked at "
-    "world sizes 2 and 4, with random blocks and with large scores (queries ×50, scores of 100 and more): the output "
-    f"on every rank against full attention computed in one process in float64 ({TOLERANCE}), the "
-    "peer of every transfer, and the bytes each rank sends, (n - 1) × its K and V blocks."
+    "(as two messages, or stacked in one), so that every block reaches every rank while no rank holds all of them: "
+    f"a rank may hold at most {MOST_HELD} K/V blocks at once (the one it uses, the one it sends and the one "
+    "arriving). gloo's send waits for its receiver: post each round's send and receive together and wait on both. "
+    "Checked at world sizes 2 and 4, with random blocks and with large scores (queries ×50, scores of 100 and "
+    f"more): the output on every rank against full attention computed in one process in float64 ({TOLERANCE}), "
+    "the peer of every transfer, the bytes each rank sends, (n - 1) × its K and V blocks, and how many ranks' K/V "
+    "blocks each rank holds at any line of your code (found by their values, in whatever your code can reach)."
 )
 
 HINTS = (
@@ -121,7 +125,8 @@ def stub(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # -- checking ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """What one rank saw in one test case: its q, k and v, the output it returned (None: not a tensor), its calls."""
+    """What one rank saw in one test case: its q, k and v, the output it returned (None: not a tensor), its calls,
+    and the most ranks' K/V blocks it held at once (``held``: whose, ``held_at``: when, ``held_where``: in what)."""
 
     name: str
     q: torch.Tensor
@@ -130,25 +135,68 @@ class Case:
     out: torch.Tensor | None
     returned: str  # the type of what fn returned, for feedback
     calls: tuple[Call, ...]
+    held: tuple[int, ...] = ()
+    held_at: str = ""
+    held_where: tuple[str, ...] = ()
+
+
+def _inputs(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s q, k and v in case ``i``: any rank can make any other's, to know its blocks by their values."""
+    gen = torch.Generator().manual_seed(7919 * i + rank)
+    q, k, v = (torch.randn(HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(3))
+    return q * CASES[i][1], k, v
+
+
+class _BlockCount:
+    """Which ranks' K/V blocks the learner's code holds, at every line it runs (a ``HeldWatch`` probe).
+
+    Why values: a block is in a rank's memory however it got there and whatever Python object holds it -- a
+    receive buffer, a list, a torch.cat of several, a view, a .double() copy, a global -- so the probe looks
+    for each rank's K and V values (and the keys pre-scaled by 1/sqrt(d)) in everything the code can reach.
+    Why every line: the lines that issue a transfer, the ones after it returns or is waited on and the
+    function's return are the moments a rank's holding changes; a peak between two transfers counts too.
+    Tensors the code cannot reach any more are freed, so what is reachable is what the rank holds."""
+
+    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.parts = Fingerprints([t for k, v in blocks for t in (k, v, k / math.sqrt(HEAD_DIM))])  # K, V, K/√d
+        self.ranks = len(blocks)
+        self.most: tuple[int, ...] = ()
+        self.at, self.where = "", ()
+
+    def held(self, found: list[Found]) -> tuple[int, ...]:
+        shares = self.parts.shares(held_values(found))
+        return tuple(r for r in range(self.ranks) if shares[3 * r:3 * r + 3].max() > 0.99)
+
+    def __call__(self, found: list[Found], moment: str) -> None:
+        held = self.held(found)
+        if len(held) > len(self.most):
+            self.most, self.at = held, moment
+            # the places that hold the most blocks first: a list of kept blocks before a receive buffer
+            by_place: dict[str, list[Found]] = {}
+            for f in found:
+                by_place.setdefault(fold(f.where), []).append(f)
+            each = {place: len(self.held(group)) for place, group in by_place.items()}
+            self.where = tuple(p for p in sorted(each, key=lambda p: -each[p]) if each[p])
 
 
 def on_rank(info: Any, fn: Any) -> list[Case]:
     """Every test case, in the same order on every rank; the learner gets copies, so the inputs stay as given."""
     cases = []
-    for i, (name, factor) in enumerate(CASES):
-        gen = torch.Generator().manual_seed(7919 * i + info.rank)
-        q, k, v = (torch.randn(HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(3))
-        q *= factor
-        value, calls = call_learner(fn, q.clone(), k.clone(), v.clone(), where=f"with {name}")
+    for i, (name, _) in enumerate(CASES):
+        q, k, v = _inputs(i, info.rank)
+        count = _BlockCount([_inputs(i, r)[1:] for r in range(info.world_size)])
+        with HeldWatch(count, fn):
+            value, calls = call_learner(fn, q.clone(), k.clone(), v.clone(), where=f"with {name}")
         out = value.detach().clone() if isinstance(value, torch.Tensor) else None
-        cases.append(Case(name, q, k, v, out, type(value).__name__, calls))
+        cases.append(Case(name, q, k, v, out, type(value).__name__, calls, count.most, count.at, count.where))
     return cases
 
 
 def judge(n: int, ranks: list[list[Case]]) -> str | None:
     for i in range(len(CASES)):
         case = [cases[i] for cases in ranks]
-        problem = _collective(case) or _wrong_output(case, i) or _not_a_ring(case, n) or _wrong_bytes(case, n)
+        problem = (_collective(case) or _wrong_output(case, i) or _not_a_ring(case, n) or _wrong_bytes(case, n)
+                   or _held_too_many(case, n))
         if problem:
             return problem
     return None
@@ -167,9 +215,9 @@ def _collective(case: list[Case]) -> str | None:
             "batch_isend_irecv), one neighbour's block per round." + why)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """softmax(q keys^T / sqrt(d)) values in float64: full attention, in one process."""
-    s = q.double() @ keys.double().transpose(-2, -1) / math.sqrt(q.shape[-1])
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q keys^T * scale) values in float64 (scale 1/sqrt(d) unless given): full attention, in one process."""
+    s = q.double() @ keys.double().transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     return torch.softmax(s, dim=-1) @ values.double()
 
 
@@ -190,9 +238,34 @@ def _wrong_output(case: list[Case], i: int) -> str | None:
         h, row, col = (int(x) for x in (~right).nonzero()[0])
         return (f"rank {r}'s output is wrong with {c.name}: at [{h}, {row}, {col}] it is {float(out[h, row, col]):.6g} "
                 f"where full attention gives {float(expected[h, row, col]):.6g} ({int(right.sum())} of "
-                f"{right.numel()} values right). " + _output_hint(i, c, out, case))
+                f"{right.numel()} values right). " + (_signature(r, c, out, case) or _output_hint(i, c, out, case)))
     return None
 
+
+def _scales() -> tuple[tuple[float, str], ...]:
+    d = HEAD_DIM
+    return ((1.0, "1 (not scaled at all)"), (1 / d, f"1/head_dim = 1/{d}"), (math.sqrt(d), f"√head_dim = √{d}"),
+            (float(d), f"head_dim = {d}"), (1 / math.sqrt(BLOCK), f"1/√{BLOCK}, one over the root of the block length"))
+
+
+def _signature(r: int, c: Case, out: torch.Tensor, case: list[Case]) -> str | None:
+    """A common wrong result, told by its values: a wrong scale, K and V swapped, a block left out."""
+    keys, values = torch.cat([b.k for b in case], -2), torch.cat([b.v for b in case], -2)
+    for scale, label in _scales():
+        if _close(out, attention(c.q, keys, values, scale)):
+            return (f"The scores are scaled by {label}, not 1/√head_dim = 1/√{HEAD_DIM}: "
+                    f"softmax(Q K^T / sqrt(head_dim)) V, with head_dim = q.shape[-1] = {HEAD_DIM}.")
+    if _close(out, attention(c.q, values, keys)):
+        return "It is attention with K and V swapped: the scores come from the keys, the output weighs the values."
+    n = len(case)
+    for j in range(n) if n > 1 else ():
+        rest = [b for s, b in enumerate(case) if s != j]
+        if _close(out, attention(c.q, torch.cat([b.k for b in rest], -2), torch.cat([b.v for b in rest], -2))):
+            what = ("its own block (the first it holds)" if j == r else
+                    f"rank {j}'s block, the one that arrives in round {(r - j) % n} of {n - 1}")
+            return (f"It is attention to every block but {what}: each rank's queries must see all n = {n} blocks, "
+                    "its own included.")
+    return None
 
 def _output_hint(i: int, c: Case, out: torch.Tensor, case: list[Case]) -> str:
     """What the wrong output looks like: overflow, one block only, blocks normalised apart, or a wrong merge."""
@@ -261,6 +334,20 @@ def _wrong_bytes(case: list[Case], n: int) -> str | None:
     return None
 
 
+def _held_too_many(case: list[Case], n: int) -> str | None:
+    for r, c in enumerate(case):
+        if len(c.held) <= MOST_HELD:
+            continue
+        whose = "all" if len(c.held) == n else f"{len(c.held)} of the"
+        return (f"rank {r} held {whose} {n} ranks' K/V blocks at once with {c.name} ({c.held_at}, in "
+                f"{places(list(c.held_where))}), although its output was right. Ring attention "
+                f"holds at most {MOST_HELD} blocks at a time, whatever n: the one it attends to, the one it passes on "
+                "and the one arriving; that is what lets a sequence n times longer than one rank's memory fit. "
+                "Attend to each block as it arrives and merge it into a running result, then let it go (the next "
+                "round's receive replaces it), instead of keeping the blocks for one softmax at the end.")
+    return None
+
+
 def summary(records: dict[int, list[list[Case]]]) -> str:
     block = records[min(records)][0][0].k.nbytes * 2
     per_n = [f"n={n}: {sent_bytes(ranks[0][0].calls):,} in {ops_used(ranks[0][0].calls)}"
@@ -268,8 +355,13 @@ def summary(records: dict[int, list[list[Case]]]) -> str:
     return (f"every rank's output matched full attention in one process (float64; {TOLERANCE}) at world sizes "
             f"{', '.join(map(str, records))}, with random blocks and with large scores (queries ×{CASES[-1][1]:g}, "
             f"scores up to {_largest_score(records):.0f}), using point-to-point calls only, each rank sending only "
-            f"to r + 1 and receiving only from r - 1. Bytes each rank sent, (n - 1) × its K and V blocks "
+            f"to r + 1 and receiving only from r - 1 and holding at most {_most_held(records)} ranks' K/V blocks at "
+            f"once (at n = {max(records)}). Bytes each rank sent, (n - 1) × its K and V blocks "
             f"({block:,} bytes together): " + "; ".join(per_n) + ".")
+
+
+def _most_held(records: dict[int, list[list[Case]]]) -> int:
+    return max(len(c.held) for c in (case for cases in records[max(records)] for case in cases))
 
 
 def _largest_score(records: dict[int, list[list[Case]]]) -> float:

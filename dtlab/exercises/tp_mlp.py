@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlab.exercises._check import Call, Exercise, call_learner, max_abs, ops_used
+from dtlab.exercises._check import Call, Exercise, call_learner, max_abs, ops_used, scale_factor, world_factor
+from dtlab.exercises._reach import Fingerprints, Found, HeldWatch, held_values, places
 
 BATCH, D_IN, HIDDEN, D_OUT = 8, 12, 40, 6  # every size a call could carry differs at n = 2 and 4 (see _sized)
 WORLD_SIZES = (2, 4)  # HIDDEN splits evenly
@@ -45,11 +46,13 @@ DESCRIPTION = (
     "the checker calls y.backward() on your output. x (batch × d_in) is the same on every rank and requires grad. "
     "Rank r holds the hidden units r*H/n to (r+1)*H/n - 1: w1 is those rows of W1 (H × d_in, nn.Linear's out × in "
     "layout), b1 the same entries of b1, w2 the same columns of W2 (d_out × H); b2 is whole on every rank. Every "
-    "rank must return the whole output. Autograd does not see dist calls: write the communication as "
-    "torch.autograd.Function subclasses (a static forward and backward each). Checked at world sizes 2 and 4 with "
-    f"batch {BATCH}, d_in {D_IN}, H {HIDDEN}, d_out {D_OUT}: every rank's output and its gradients (x.grad, and the "
-    f"gradients of w1, b1, w2 and b2) against the unsplit MLP's, sliced as the shards are (within {TOL:g}); and the "
-    "communication: exactly one all_reduce in the forward and exactly one in the backward, nothing else."
+    "rank must return the whole output, and no rank may hold another rank's part of W1 or W2. Autograd does not see "
+    "dist calls: write the communication as torch.autograd.Function subclasses (a static forward and backward "
+    f"each). Checked at world sizes 2 and 4 with batch {BATCH}, d_in {D_IN}, H {HIDDEN}, d_out {D_OUT}: every "
+    "rank's output and its gradients (x.grad, and the gradients of w1, b1, w2 and b2) against the unsplit MLP's, "
+    f"sliced as the shards are (within {TOL:g}); the communication: exactly one all_reduce in the forward and "
+    "exactly one in the backward, nothing else; and, at every line of your code, that the values of no other "
+    "rank's rows of W1 or columns of W2 are within its reach."
 )
 
 HINTS = (
@@ -150,25 +153,54 @@ def reference(n: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], list
 # -- checking ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Record:
-    """One rank's run: its output and gradients, the calls of forward and of backward, or what stopped the run."""
+    """One rank's run: its output and gradients, the calls of forward and of backward, or what stopped the run;
+    ``foreign``: when and where it first held another rank's part of W1 or W2 (None: never)."""
 
     y: torch.Tensor | None
     grads: dict[str, torch.Tensor | None]
     forward: tuple[Call, ...]
     backward: tuple[Call, ...]
     problem: str | None = None
+    foreign: str | None = None
+
+
+class _ForeignShards:
+    """Whether the learner's code holds another rank's rows of W1 or columns of W2, found by their values at every
+    line it runs (a ``HeldWatch`` probe): a rank that gathered the weights to compute the whole MLP holds them,
+    whatever it called the gather and however it stored them."""
+
+    def __init__(self, full: dict[str, torch.Tensor], rank: int, n: int) -> None:
+        self.names, parts = [], []
+        for s in range(n):
+            units = slice(s * HIDDEN // n, (s + 1) * HIDDEN // n)
+            if s != rank:
+                self.names += [f"rank {s}'s rows of W1", f"rank {s}'s columns of W2"]
+                parts += [full["w1"][units], full["w2"][:, units]]
+        self.prints = Fingerprints(parts)
+        self.first: str | None = None
+
+    def __call__(self, found: list[Found], moment: str) -> None:
+        if self.first is not None:
+            return
+        held = [name for name, share in zip(self.names, self.prints.shares(held_values(found))) if share > 0.99]
+        if held:
+            where = [f.where for f in found if self.prints.shares(held_values([f])).max() > 0.99]
+            self.first = f"{' and '.join(held[:2])} {moment} (in {places(where, 3)})"
 
 
 def on_rank(info: Any, fn: Any) -> Record:
     full = _full()
     args = _shard(full, info.rank, info.world_size)
-    y, forward = call_learner(fn, *args.values(), where="in forward")
+    foreign = _ForeignShards(full, info.rank, info.world_size)
+    with HeldWatch(foreign, fn):
+        y, forward = call_learner(fn, *args.values(), where="in forward")
     problem = _not_an_output(y)
     if problem:
-        return Record(None, {}, forward, (), f"rank {info.rank}'s {problem}")
-    _, backward = call_learner(y.backward, full["gy"], where="in backward (y.backward)")
+        return Record(None, {}, forward, (), f"rank {info.rank}'s {problem}", foreign.first)
+    with HeldWatch(foreign, fn):
+        _, backward = call_learner(y.backward, full["gy"], where="in backward (y.backward)")
     grads = {k: None if v.grad is None else v.grad.detach().clone() for k, v in args.items()}
-    return Record(y.detach().clone(), grads, forward, backward)
+    return Record(y.detach().clone(), grads, forward, backward, None, foreign.first)
 
 
 def _not_an_output(y: Any) -> str | None:
@@ -184,6 +216,11 @@ def _not_an_output(y: Any) -> str | None:
 
 
 def judge(n: int, ranks: list[Record]) -> str | None:
+    for r, rec in enumerate(ranks):
+        if rec.foreign:
+            return (f"rank {r} held {rec.foreign}. In tensor parallelism each rank holds only its 1/n of W1 and W2 "
+                    "-- that is what lets a layer too large for one device fit -- and never gathers the others': "
+                    "compute with your shards, then sum the ranks' shares of the output (one all_reduce).")
     problem = next((rec.problem for rec in ranks if rec.problem), None)
     if problem:
         return problem
@@ -237,6 +274,16 @@ def _output(r: int, n: int, y: torch.Tensor) -> str | None:
     if max_abs(y, ref + (n - 1) * b2) <= TOL:
         return (f"rank {r}'s output is the unsplit MLP's plus {n - 1} × b2: every rank added b2 before the sum, so "
                 f"it was counted {n} times. Add b2 once, to the summed output.")
+    for got, want, what in ((y - b2, ref - b2, "b2 aside"), (y, ref, "b2 included")):
+        words = world_factor(scale_factor(got, want, TOL), n)
+        if words is None:
+            continue
+        if words.startswith("1/"):
+            return (f"rank {r}'s output ({what}) is {words} the unsplit MLP's: it was divided by the world size "
+                    f"in forward. The ranks' shares of the output are parts of one sum, not {n} estimates of it "
+                    "to average: the all_reduce's sum is the whole output.")
+        return (f"rank {r}'s output ({what}) is {words} the unsplit MLP's: the forward summed {n} copies of the "
+                "whole output where it should sum each rank's share, the part computed from its own hidden units.")
     return (f"rank {r}'s output differs by {err:.1e} from the unsplit MLP's, gelu(x @ W1.T + b1) @ W2.T + b2 (exact "
             "F.gelu), although the forward's communication was right: check the layers and the bias.")
 
@@ -252,15 +299,26 @@ def _gradients(r: int, n: int, grads: dict[str, torch.Tensor | None]) -> str | N
     errs = {k: max_abs(grads[k], ref[k]) for k in GRADS}
     if all(e <= TOL for e in errs.values()):
         return None
+    factors = {k: world_factor(scale_factor(grads[k], ref[k], TOL), n) for k in GRADS}
     scaled = ("x", "w1", "b1", "w2")
-    if all(max_abs(grads[k], n * ref[k]) <= n * TOL for k in scaled):
-        return (f"on rank {r} the gradients of x, w1, b1 and w2 are {n}× the unsplit MLP's: the output's gradient "
-                "was summed over the ranks in backward. Every rank already holds the whole output gradient (each "
-                f"computes the same loss from the same output), so summing it counts it {n} times.")
+    if len({factors[k] for k in scaled}) == 1 and factors["x"] and errs["b2"] <= TOL:
+        if factors["x"].startswith("1/"):
+            return (f"on rank {r} the gradients of x, w1, b1 and w2 are {factors['x']} the unsplit MLP's: the output's "
+                    "gradient was divided by the world size in backward. Every rank holds the whole output "
+                    "gradient (each computes the same loss from the same output): pass it on as it is.")
+        return (f"on rank {r} the gradients of x, w1, b1 and w2 are {factors['x']} the unsplit MLP's: the output's "
+                "gradient was summed over the ranks in backward. Every rank already holds the whole output gradient "
+                f"(each computes the same loss from the same output), so summing it counts it {n} times.")
     if errs["x"] > TOL and max_abs(grads["x"], shares[r]) <= TOL:
         return (f"x.grad on rank {r} is only this rank's partial sum: the share of x's gradient that flows back "
                 "through its own hidden units. The unsplit MLP's input gradient is the sum of every rank's share, "
                 "and nothing in your backward summed them over the ranks (the gradients of the shards were right).")
+    if errs["x"] > TOL and all(errs[k] <= TOL for k in GRADS if k != "x"):
+        words = world_factor(scale_factor(grads["x"], ref["x"], TOL), n)
+        if words and words.startswith("1/"):
+            return (f"x.grad on rank {r} is {words} the unsplit MLP's: the sum of the ranks' shares of x's gradient "
+                    "was divided by the world size in backward. x's gradient is the sum of the shares, not their "
+                    "mean.")
     name = next(k for k in GRADS if errs[k] > TOL)
     ratio = float(grads[name].double().norm() / ref[name].double().norm().clamp_min(1e-12))
     return (f"the gradient of {name} on rank {r} differs by {errs[name]:.1e} from the unsplit MLP's (sliced as the "
@@ -286,7 +344,8 @@ def summary(records: dict[int, list[Record]]) -> str:
     return (f"at world sizes {', '.join(map(str, records))} every rank's output, x.grad and shard gradients matched "
             f"the unsplit MLP's (largest difference {worst:.1g}). Rank 0's forward: {ops_used(first.forward)} of "
             f"{OUT_BYTES:,} bytes (the output); its backward: {ops_used(first.backward)} of {IN_BYTES:,} bytes (the "
-            f"input). Each rank held 1/n of W1 and W2 ({4 * HIDDEN * (D_IN + D_OUT):,} bytes unsplit).")
+            f"input). No rank held another's part of W1 or W2 at any line: each held 1/n of them "
+            f"({4 * HIDDEN * (D_IN + D_OUT):,} bytes unsplit).")
 
 
 EXERCISE = Exercise("tp_mlp", DESCRIPTION, on_rank, judge, summary, tp_mlp, stub, world_sizes=WORLD_SIZES,
