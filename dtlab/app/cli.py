@@ -46,6 +46,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's forward in backward (less activation memory, more compute)")
     p.add_argument("--precision", default=d.precision, help="fp32 or bf16 (autocast of the forward and loss)")
+    p.add_argument("--dtype", default=d.dtype, help="float32 or float64: the parameters' and inputs' dtype")
     p.add_argument("--experts", type=int, default=d.experts, help="--model moe: experts per layer")
     p.add_argument("--top-k", type=int, default=d.top_k, help="--model moe: experts each token is sent to")
     p.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
@@ -87,7 +88,7 @@ def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> Ru
         dataset_size=args.dataset_size, global_batch_size=args.batch_size, steps=args.steps, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
         threads_per_rank=args.threads, timeout_s=args.timeout, slow_rank=args.slow_rank,
-        activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+        activation_checkpointing=args.activation_checkpointing, precision=args.precision, dtype=args.dtype,
         experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
         aux_loss_coef=args.aux_loss_coef,
         tier_options=tier_options(tier, args.opt),
@@ -268,7 +269,7 @@ FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "mo
          "global_batch_size": "--batch-size", "steps": "--steps", "lr": "--lr", "optimizer": "--optimizer",
          "seed": "--seed", "backend": "--backend", "device": "--device", "threads_per_rank": "--threads",
          "timeout_s": "--timeout", "slow_rank": "--slow-rank",
-         "activation_checkpointing": "--activation-checkpointing", "precision": "--precision",
+         "activation_checkpointing": "--activation-checkpointing", "precision": "--precision", "dtype": "--dtype",
          "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
          "aux_loss_coef": "--aux-loss-coef"}
 COMMAND_FLAGS = {"compare": {"world_size": "--world-sizes", "tier": "--tiers"},

@@ -22,6 +22,7 @@ OPTIMIZERS = ("sgd", "adam")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
+DTYPES = ("float32", "float64")
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -100,6 +101,8 @@ class RunConfig:
     # Recompute each block's forward in backward (torch.utils.checkpoint): activation memory for compute
     activation_checkpointing: bool = False
     precision: str = "fp32"  # "bf16": forward and loss under autocast (bf16 matmuls, fp32 parameters)
+    # The parameters' and inputs' dtype; "float64" makes tiers' parity independent of float32 summation order
+    dtype: str = "float32"
     # model="moe" only (dtlab.core.moe): experts per layer, experts per token, the capacity per expert as a
     # multiple of an even share (0: dropless) and the load-balancing loss's weight in the loss
     experts: int = 4
@@ -169,6 +172,10 @@ class RunConfig:
             _fail("precision", self.precision, f"choose one of {', '.join(PRECISIONS)}")
         if self.precision != "fp32" and not spec.autocast:
             _fail("precision", self.precision, f"the {self.tier} tier runs its own forward and backward: fp32 only")
+        if self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"choose one of {', '.join(DTYPES)}")
+        if self.dtype != "float32" and self.precision != "fp32":
+            _fail("dtype", self.dtype, f"precision={self.precision!r} autocasts float32 parameters: use float32")
         if not isinstance(self.activation_checkpointing, bool):
             _fail("activation_checkpointing", self.activation_checkpointing, "must be True or False")
         if self.activation_checkpointing:

@@ -103,14 +103,23 @@ def text(seed: int, seq_len: int = SEQ_LEN) -> Dataset:
     return _split("text", x, y, seed, len(vocab))
 
 
-def load(name: str, size: int, seed: int) -> Dataset:
+def load(name: str, size: int, seed: int, dtype: torch.dtype = torch.float32) -> Dataset:
+    """The data set ``name``; floating-point inputs in ``dtype`` (labels and character ids stay integers).
+
+    The values are made in float32 and then converted, so a float64 job sees the same
+    samples as a float32 one, only carried with more digits.
+    """
     if name == "synthetic":
-        return synthetic(size, seed)
-    if name == "digits":
-        return digits(seed)
-    if name == "text":
-        return text(seed)
-    raise ValueError(f"unknown dataset {name!r}")
+        data = synthetic(size, seed)
+    elif name == "digits":
+        data = digits(seed)
+    elif name == "text":
+        data = text(seed)
+    else:
+        raise ValueError(f"unknown dataset {name!r}")
+    if data.train_x.is_floating_point() and data.train_x.dtype != dtype:
+        data.train_x, data.test_x = data.train_x.to(dtype), data.test_x.to(dtype)
+    return data
 
 
 class ShardedBatches:

@@ -26,12 +26,22 @@ def routing(cfg: RunConfig) -> Routing:
     return Routing(cfg.experts, cfg.top_k, float(cfg.capacity_factor), float(cfg.aux_loss_coef))
 
 
+def torch_dtype(cfg: RunConfig) -> torch.dtype:
+    """``RunConfig.dtype`` as a torch dtype: the parameters' and the inputs'."""
+    return getattr(torch, cfg.dtype)
+
+
+def load_data(cfg: RunConfig) -> datasets.Dataset:
+    """The job's data set, its floating-point inputs in the job's dtype."""
+    return datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed, torch_dtype(cfg))
+
+
 def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, datasets.Dataset]:
     """The seeded model and data every rank (and every tier) starts from."""
-    data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
+    data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth,
-                         routing(cfg)).to(device)
+                         routing(cfg), torch_dtype(cfg)).to(device)
     if cfg.activation_checkpointing:
         models.checkpoint_blocks(model)
     return model, data

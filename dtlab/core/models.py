@@ -96,9 +96,16 @@ class CharFormer(nn.Module):
 
 
 def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
-          depth: int = 2, routing: Any = None) -> nn.Module:
+          depth: int = 2, routing: Any = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Make the model named by ``spec`` (built-in name, import path or callable); ``routing``: the ``moe``
-    model's ``dtlab.core.moe.Routing`` (its defaults when None)."""
+    model's ``dtlab.core.moe.Routing`` (its defaults when None). Other than float32, ``dtype`` converts the
+    floating-point parameters and buffers after the (float32) initialisation: the same starting values."""
+    model = _build(spec, input_shape, num_classes, width, depth, routing)
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def _build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
+           depth: int, routing: Any) -> nn.Module:
     if spec == "mlp":
         return mlp(input_shape, num_classes, width, depth)
     if spec == "cnn":

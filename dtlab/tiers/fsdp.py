@@ -79,6 +79,7 @@ def validate(cfg: RunConfig) -> None:
     if o.mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"{name}.mixed_precision={o.mixed_precision!r} is invalid: choose one of "
                          f"{', '.join(MIXED_PRECISION)}")
+    check_dtype(cfg, name)
     _, device = resolve_backend(cfg.backend, cfg.device)
     if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
@@ -88,6 +89,14 @@ def validate(cfg: RunConfig) -> None:
     if cfg.world_size % o.replicate:
         raise ValueError(f"{name}.replicate={o.replicate} is invalid: it must divide world_size={cfg.world_size} "
                          "(replicate groups of world_size / replicate ranks each)")
+
+
+def check_dtype(cfg: RunConfig, name: str) -> None:
+    """Mixed precision casts to 16 bits and reduces in float32: it has no float64 version."""
+    mixed = cfg.tier_options.mixed_precision
+    if mixed != "none" and cfg.dtype != "float32":
+        raise ValueError(f"{name}.mixed_precision={mixed!r} is invalid with RunConfig.dtype={cfg.dtype!r}: it "
+                         f"computes in 16 bits and reduces in float32; use mixed_precision='none'")
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -52,6 +52,7 @@ def validate(cfg: RunConfig) -> None:
     if o.mixed_precision not in fsdp.MIXED_PRECISION:
         raise ValueError(f"{name}.mixed_precision={o.mixed_precision!r} is invalid: choose one of "
                          f"{', '.join(fsdp.MIXED_PRECISION)}")
+    fsdp.check_dtype(cfg, name)
     tp.validate_model(cfg, o.tp_size, name)
 
 

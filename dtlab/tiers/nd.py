@@ -195,13 +195,15 @@ class Strategy(pipeline.Strategy):
         with pipeline._tagged(pipeline.GATHER_TAG), torch.no_grad():
             if not self.info.is_main:
                 if self.coords[0] > 0 and self.coords[1:] == (0, 0):
-                    dist.send(torch.cat([state[k].reshape(-1).float() for k, _, _ in self.layout[self.coords[0]]]),
-                              dst=0)
+                    entries = self.layout[self.coords[0]]  # in the state's own dtype: float64 stays float64
+                    dtype = pipeline._common_dtype(entries)
+                    dist.send(torch.cat([state[k].reshape(-1).to(dtype) for k, _, _ in entries]), dst=0)
                 return state
             out = dict(state)
             for s in range(1, o.pp):
                 entries = self.layout[s]
-                flat = torch.empty(sum(math.prod(shape) for _, shape, _ in entries), device=self.info.device)
+                flat = torch.empty(sum(math.prod(shape) for _, shape, _ in entries),
+                                   dtype=pipeline._common_dtype(entries), device=self.info.device)
                 dist.recv(flat, src=s * o.dp * o.tp)
                 parts = flat.split([math.prod(shape) for _, shape, _ in entries])
                 out.update({k: part.view(shape).to(dtype) for (k, shape, dtype), part in zip(entries, parts)})

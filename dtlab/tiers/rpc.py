@@ -47,7 +47,7 @@ from torch.distributed import rpc
 from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, load_data, optimizer_factory
 from dtlab.core.memory import optimizer_state_bytes, parameter_bytes, peak_process_bytes
 from dtlab.core.net import LOOPBACK, interface_for, listening_sockets
 from dtlab.core.progress import report
@@ -249,7 +249,7 @@ def _train(worker: RpcWorker, cfg: RunConfig) -> RankResult:
     from torch.distributed.optim import DistributedOptimizer
 
     rec, rank, clock = worker.recorder, worker.rank, time.perf_counter
-    data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
+    data = load_data(cfg)  # inputs in the job's dtype, as the server's model
     batches = datasets.ShardedBatches(len(data), cfg.global_batch_size, rank - 1, cfg.world_size, cfg.seed)
     server = rpc.remote("ps", _get_server)  # an RRef to the server object, which stays in "ps"
     optimizer = DistributedOptimizer(ServerOptimizer, rpc.rpc_sync("ps", _parameter_rrefs, args=(server,)), rank)

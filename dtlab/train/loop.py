@@ -15,7 +15,7 @@ from dtlab.core import data as datasets
 from dtlab.core import models, registry
 from dtlab.core.config import RunConfig, parse_slow_rank
 from dtlab.core.env import DistInfo
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, optimizer_factory, torch_dtype
 from dtlab.core.memory import (
     SavedActivations,
     gradient_bytes,
@@ -127,7 +127,7 @@ class _Loop:
         mark, strategy, model = self.clock.mark, self.strategy, self.model
         accum = strategy.accumulation_steps
         micro_batches = zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else [(x, y)]
-        step_loss = torch.zeros((), device=self.info.device)
+        step_loss = torch.zeros((), dtype=torch_dtype(self.cfg), device=self.info.device)  # float64 jobs: float64
         for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing(), strategy.step_context():
