@@ -40,8 +40,9 @@ def test_world_size_four_matches_single(tier):
 
 def test_transformer_parity_with_adam():
     # Adam's update is about lr * sign(g) where a gradient is near zero, so a
-    # rounding-level difference in g can flip a whole update: the attention
-    # query weights of this tiny model reach 1.2e-5 at lr=0.01, 3e-6 at 0.003.
+    # rounding-level difference in g can flip a whole update: this tiny model
+    # ends 1.4e-5 from single at lr=0.01, 3.8e-6 at 0.003 (measured here). It
+    # passes TOL only at the lowered lr; the float64 test checks lr 0.01 strictly.
     cfg = job("adam", model="charformer", dataset="text").replace(lr=0.003)
     ref = run(cfg, progress=False)
     result = run(cfg.replace(tier="ddp", world_size=2), progress=False)
