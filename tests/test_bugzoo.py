@@ -19,10 +19,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dtlab.analysis.stragglers import straggler
 from dtlab.exercises import CheckResult, _progress, bugzoo
-from dtlab.exercises.bugzoo import kit, rank_branch
+from dtlab.exercises.bugzoo import collective_order, kit, rank_branch, skipped_collective, stuck_rank
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
-NAMES = ("seed", "set_epoch", "rank_branch", "unused_parameter", "uneven_batches", "straggler")
+NAMES = ("seed", "set_epoch", "rank_branch", "unused_parameter", "uneven_batches", "straggler", "skipped_collective",
+         "collective_order", "wrong_group", "stuck_rank")
+HANGS = NAMES[6:]  # run with Flight Recorder: the hang's report reads every rank's dump
 
 
 @pytest.fixture(autouse=True)
@@ -164,3 +166,33 @@ def test_a_hang_ends_within_seconds_with_the_table():
     assert "rank 0: waiting in all_reduce" in run.report and "rank 1: waiting in barrier" in run.report
     with pytest.raises(ValueError, match="nothing to analyse"):
         run.result  # noqa: B018
+
+
+# -- hangs named from Flight Recorder's dumps --------------------------------------------------------------------
+def expected_hang(name: str) -> tuple[str, int, str, int, str]:
+    """(kind, rank, op, sequence number, group description) each planted hang must be diagnosed as, worked out
+    here from the program's data and constants, not from a run."""
+    if name == "skipped_collective":
+        has = [[bool((kit.batch(s)[1][r::2] == skipped_collective.WATCHED).any()) for r in range(2)]
+               for s in range(skipped_collective.STEPS)]
+        step = next(s for s, h in enumerate(has) if h[0] != h[1])  # one rank has the class, the other skips
+        return "skipped", has[step].index(False), "all_reduce", 1 + sum(all(h) for h in has[:step]), "metrics"
+    if name == "collective_order":  # rank 1 receives the rate before averaging, rank 0 sends it after
+        return "order", 1, "broadcast", collective_order.WARMUP + 1, "default_pg"
+    if name == "wrong_group":  # the gradients' first all_reduce, on the group rank 1 made first: its "grads"
+        return "wrong_group", 1, "all_reduce", 1, "grads"
+    huge = max(range(len(stuck_rank.LENGTHS)), key=stuck_rank.LENGTHS.__getitem__)
+    rank, step = huge % 2, list(range(huge % 2, len(stuck_rank.LENGTHS), 2)).index(huge) // stuck_rank.BATCH
+    return "stuck", rank, "all_reduce", step + 1, "default_pg"  # the step's all_reduce it never reaches
+
+
+@launches_ranks
+@pytest.mark.parametrize("name", HANGS)
+def test_a_hang_is_named_from_the_flight_recorder_dumps(name):
+    run = bugzoo.run(name, timeout_s=2, show=False)
+    assert run.error is not None and sorted(run.flight) == [0, 1]
+    found = run.diagnosis
+    kind, rank, op, seq, desc = expected_hang(name)
+    assert (found.kind, found.rank, found.op, found.seq) == (kind, rank, op, seq), found.text
+    assert found.entries[0].group_desc == desc and found.text in run.report
+    assert "torch's fr_trace" in run.report

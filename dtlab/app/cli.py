@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import exercises, plots, tiers
-from dtlab.analysis import estimate
+from dtlab.analysis import estimate, flight
 from dtlab.analysis.compare import compare, figures, format_table
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.app.bench import BENCH_DOC, run_all, update_doc
 from dtlab.core import options
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
-from dtlab.core.results import RunResult
+from dtlab.core.failures import RankError
+from dtlab.core.results import FLIGHT_DIR, RunResult
 from dtlab.launch import cluster
 from dtlab.train import preflight, run
 
@@ -90,7 +91,7 @@ def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> Ru
         threads_per_rank=args.threads, timeout_s=args.timeout, slow_rank=args.slow_rank,
         activation_checkpointing=args.activation_checkpointing, precision=args.precision, dtype=args.dtype,
         experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
-        aux_loss_coef=args.aux_loss_coef,
+        aux_loss_coef=args.aux_loss_coef, flight_recorder=getattr(args, "flight_recorder", False),
         tier_options=tier_options(tier, args.opt),
     )
 
@@ -150,13 +151,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, args.tier, args.world_size)
     _preflight(cfg)
     check_writable(args.out, "--out")
-    result = run(cfg, progress=not args.quiet)
+    try:
+        result = run(cfg, progress=not args.quiet)
+    except RankError as err:
+        if not getattr(err, "flight", None):
+            raise
+        print(f"error: {err}\n{flight.saved_report(err, args.out)}", file=sys.stderr)
+        return 1
     out, saved = save_result(result, args.out)
     summary = result.summary()
     print(f"{cfg.tier} x{cfg.world_size}: median step {summary['median_step_s'] * 1e3:.2f} ms, "
           f"{summary['samples_per_s']:.0f} samples/s, final loss {summary['final_loss']:.4f}, "
           f"test accuracy {summary.get('test_accuracy', float('nan')):.3f}")
-    print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json, params.pt")
+    print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json, params.pt"
+          + (f", {FLIGHT_DIR}/rank_*" if result.flight else ""))
     return 0 if saved else 1
 
 
@@ -271,7 +279,7 @@ FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "mo
          "timeout_s": "--timeout", "slow_rank": "--slow-rank",
          "activation_checkpointing": "--activation-checkpointing", "precision": "--precision", "dtype": "--dtype",
          "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
-         "aux_loss_coef": "--aux-loss-coef"}
+         "aux_loss_coef": "--aux-loss-coef", "flight_recorder": "--flight-recorder"}
 COMMAND_FLAGS = {"compare": {"world_size": "--world-sizes", "tier": "--tiers"},
                  "cluster": {"world_size": "--nnodes x --nproc-per-node"}}
 
@@ -340,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--world-size", type=int, default=1)
     p_run.add_argument("--out", default="results/run", help="output folder")
     p_run.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_run.add_argument("--flight-recorder", action="store_true",
+                       help="PyTorch's Flight Recorder in every rank: each rank's dump in OUT/flight_recorder; "
+                            "a hang's report names the rank, the collective and its sequence number")
     _add_job_args(p_run)
     p_run.set_defaults(func=cmd_run)
     p_cmp = sub.add_parser("compare", help="run several tiers on the same job and compare them with 'single'")

@@ -206,3 +206,97 @@ def in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
     except AttributeError as exc:
         raise _missing("torch._C._current_graph_task_id", exc) from None
+
+
+# -- Flight Recorder -------------------------------------------------------------------------
+# torch reads the buffer size from the environment when a process group starts (0: Flight Recorder off).
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def flight_recorder_dump() -> dict[str, Any]:
+    """This process's Flight Recorder buffer (``_dump_fr_trace``: the pickle torch's ``fr_trace`` reads):
+    ``entries`` (one per collective, with its Python stack ``frames``), ``pg_config``, ``pg_status``, ``version``."""
+    import pickle
+
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace()
+    except AttributeError as exc:
+        raise _missing("torch._C._distributed_c10d._dump_fr_trace (Flight Recorder)", exc) from None
+    return pickle.loads(raw)
+
+
+def flight_recorder_json() -> dict[str, Any]:
+    """The same buffer as JSON (``_dump_fr_trace_json``): no stack frames."""
+    import json
+
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace_json()
+    except AttributeError as exc:
+        raise _missing("torch._C._distributed_c10d._dump_fr_trace_json (Flight Recorder)", exc) from None
+    return json.loads(raw)
+
+
+def process_groups() -> dict[str, dict[str, str]]:
+    """Every process group of this process as Flight Recorder's ``pg_config`` lists them: {name: {"name", "desc",
+    "ranks"}}, ranks global, as text (``_world.pg_names``, ``pg_group_ranks``). gloo's own dump leaves
+    ``pg_config`` empty in torch 2.13; torch's analyser needs it."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        world = c10d._world
+        return {str(name): {"name": str(name), "desc": str(getattr(pg, "group_desc", "") or ""),
+                            "ranks": str(sorted(world.pg_group_ranks[pg]))} for pg, name in world.pg_names.items()}
+    except (AttributeError, KeyError) as exc:
+        raise _missing("torch.distributed.distributed_c10d._world (pg_names, pg_group_ranks)", exc) from None
+
+
+def fr_trace_database(trace_dir: str) -> tuple[Any, list[str]]:
+    """torch's Flight Recorder analyser (``torch.distributed.flight_recorder``, the ``fr_trace`` tool) on a folder
+    of dumps named ``<prefix><rank>``: its database (``collectives``, each with ``pass_check``, ``missing_ranks``,
+    ``type_of_mismatch``) and what it logged, line by line. Its errors propagate: they are its verdict."""
+    import gc
+    import logging
+
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.extend(record.getMessage().splitlines())
+
+    # Its logger prints to stderr (a handler its first import adds): its report is kept here instead.
+    logger, keep = logging.getLogger("Flight Recorder"), _Keep()
+    before, propagate, collecting = logger.handlers[:], logger.propagate, gc.isenabled()
+    logger.handlers, logger.propagate, added = [keep], False, []
+    try:
+        from torch.distributed.flight_recorder.components import fr_logger
+
+        fr_logger.FlightRecorderLogger()  # creates the logger's handler on first use
+        added = [h for h in logger.handlers if h is not keep]
+        logger.handlers = [keep]
+        from torch.distributed.flight_recorder.components.builder import build_db
+        from torch.distributed.flight_recorder.components.config_manager import JobConfig
+        from torch.distributed.flight_recorder.components.loader import read_dir
+
+        args = JobConfig().parse_args([trace_dir])
+        details, version = read_dir(args)
+        return build_db(details, args, version), lines
+    except ImportError as exc:
+        raise _missing("torch.distributed.flight_recorder (the fr_trace analyser)", exc) from None
+    finally:
+        logger.handlers, logger.propagate = before + added, propagate
+        if collecting:  # its loader switches the garbage collector off (for speed) and leaves it off
+            gc.enable()
+
+
+def group_timeout(group: Any = None) -> Any:
+    """The collective timeout of ``group`` (default: the default group) as a timedelta, from its backend's options
+    (``ProcessGroup._get_backend(device).options._timeout``). ``new_group`` does not inherit it: without a
+    ``timeout`` a new group waits torch's own default (30 minutes for gloo)."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else default_group()
+    device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+    try:
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError) as exc:
+        raise _missing("ProcessGroup._get_backend(device).options._timeout", exc) from None

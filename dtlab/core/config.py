@@ -109,6 +109,8 @@ class RunConfig:
     top_k: int = 2
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01
+    # PyTorch's Flight Recorder in every rank: each leaves its dump (RunResult.flight; on failure error.flight)
+    flight_recorder: bool = False
     tier_options: Any = None
 
     def __post_init__(self) -> None:
@@ -159,6 +161,7 @@ class RunConfig:
             if rank >= self.world_size:
                 _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         spec = registry.get(self.tier)
+        self._check_flight_recorder(spec)
         self._check_compute(spec)
         self._check_experts(spec)
         if self.tier_options is None:
@@ -166,6 +169,14 @@ class RunConfig:
         elif type(self.tier_options) is not spec.options:
             _fail("tier_options", self.tier_options, f"tier {self.tier!r} takes {spec.options.__module__}.Options")
         spec.validate(self)
+
+    def _check_flight_recorder(self, spec: registry.TierSpec) -> None:
+        if not isinstance(self.flight_recorder, bool):
+            _fail("flight_recorder", self.flight_recorder, "must be True or False")
+        if self.flight_recorder and spec.launcher not in ("local", "torchrun"):
+            able = [n for n in registry.names() if registry.get(n).launcher in ("local", "torchrun")]
+            _fail("flight_recorder", True, f"the {self.tier} tier's processes are started by its own launcher "
+                  f"({spec.launcher}), which collects no Flight Recorder dumps; use one of {', '.join(able)}")
 
     def _check_compute(self, spec: registry.TierSpec) -> None:
         if self.precision not in PRECISIONS:

@@ -1,7 +1,9 @@
 """RankResult (what one rank measured) and RunResult (the run, for analysis).
 
 A RunResult turns into DataFrames for plots and writes the CLI's files:
-``result.json`` (summary), ``events.csv``, ``trace.json`` and ``params.pt``.
+``result.json`` (summary), ``events.csv``, ``trace.json`` and ``params.pt`` (and,
+for a run with ``flight_recorder``, each rank's Flight Recorder dump in
+``flight_recorder/rank_<R>``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class RunResult:
     logs: dict[int, str] = field(default_factory=dict)
     # What torchrun-launched workers reported (starts, restarts, snapshots, faults): see dtlab.core.events.emit.
     run_events: list[dict[str, Any]] = field(default_factory=list)
+    # Each rank's Flight Recorder dump (torch's pickle, read by dtlab.core.flight), when the run asked for them.
+    flight: dict[int, bytes] = field(default_factory=dict)
 
     # -- tables -------------------------------------------------------------------
     def steps_frame(self) -> Any:
@@ -239,7 +243,22 @@ class RunResult:
             atomic_write(out / "run_events.csv", pd.DataFrame(self.run_events).to_csv(index=False).encode())
         if self.ranks[0].params is not None:
             atomic_write(out / "params.pt", self.ranks[0].params)
+        if self.flight:
+            save_flight(self.flight, out)
         return out
+
+
+FLIGHT_DIR = "flight_recorder"
+
+
+def save_flight(dumps: Mapping[int, bytes], out_dir: str | os.PathLike[str]) -> Path:
+    """Each rank's Flight Recorder dump as ``out_dir/flight_recorder/rank_<R>``: a folder torch's analyser
+    reads as it is (``python -m torch.distributed.flight_recorder.fr_trace out_dir/flight_recorder``)."""
+    folder = Path(out_dir) / FLIGHT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, data in dumps.items():
+        atomic_write(folder / f"rank_{rank}", data)
+    return folder
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -46,8 +46,10 @@ class LaunchOptions:
     the whole launch. ``progress`` shows rank 0's ``report()`` calls with tqdm
     (True), nothing (False), or passes every rank's to a callable. ``record``
     switches the CommRecorder on in each rank. ``env`` is added to every rank's
-    environment. Setting ``stop`` (from another thread: a widget's Stop button)
-    kills every rank and raises ``LaunchStopped``.
+    environment. ``flight_recorder`` switches PyTorch's Flight Recorder on in every
+    rank and collects each rank's dump (``dtlab.launch.flight``). Setting ``stop``
+    (from another thread: a widget's Stop button) kills every rank and raises
+    ``LaunchStopped``.
     """
 
     backend: str = "auto"
@@ -58,6 +60,7 @@ class LaunchOptions:
     record: bool = True
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     stop: threading.Event | None = None
+    flight_recorder: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -74,6 +77,8 @@ class LaunchOptions:
             raise _invalid("progress", self.progress, "give True, False or a callable taking a dict")
         if not isinstance(self.record, bool):
             raise _invalid("record", self.record, "give True or False")
+        if not isinstance(self.flight_recorder, bool):
+            raise _invalid("flight_recorder", self.flight_recorder, "give True or False")
         if self.env is not None and not isinstance(self.env, Mapping):
             raise _invalid("env", self.env, "give a dict of environment variables")
         if self.stop is not None and not callable(getattr(self.stop, "is_set", None)):
@@ -115,13 +120,15 @@ class LaunchResult(Sequence[Any]):
     iteration, ``out == [...]``, and its repr) as launches returned before it
     grew fields. ``logs`` is keyed by rank (by node for torchrun, whose agents
     interleave their ranks' output); ``events`` holds what the workers reported
-    with ``dtlab.core.events.emit`` under torchrun (empty for local launches).
+    with ``dtlab.core.events.emit`` under torchrun (empty for local launches);
+    ``flight`` holds each rank's Flight Recorder dump, when the launch asked for them.
     """
 
     values: list[Any]
     logs: dict[int, str] = field(default_factory=dict)
     wall_s: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)
+    flight: dict[int, bytes] = field(default_factory=dict)
 
     def __getitem__(self, index: Any) -> Any:
         return self.values[index]
@@ -146,15 +153,17 @@ class LaunchResult(Sequence[Any]):
 
 
 def launch_error(failures: list[RankFailure], ops: list[OpState] | None = None, note: str = "",
-                 events: list[dict[str, Any]] | None = None) -> RankError:
+                 events: list[dict[str, Any]] | None = None, flight: dict[int, bytes] | None = None) -> RankError:
     """The exception a failed launch raises: CollectiveTimeout when anything timed out, else RankError.
 
-    ``note`` says why the launcher ended the run (a watchdog, a deadline), if it did.
+    ``note`` says why the launcher ended the run (a watchdog, a deadline), if it did; ``flight`` (the
+    ranks' Flight Recorder dumps, if asked for) rides along as ``error.flight``.
     """
     timed_out = bool(note) or any(f.kind == "timeout" or "timed out" in f.message.lower() for f in failures)
     error = (CollectiveTimeout if timed_out else RankError)(failures, ops, note)
     # RankError takes no events: the run's timeline rides along as an attribute.
     error.events = list(events or [])  # type: ignore[attr-defined]
+    error.flight = dict(flight or {})  # type: ignore[attr-defined]
     return error
 
 

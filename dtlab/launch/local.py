@@ -16,6 +16,7 @@ rank process survives the call however it ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -36,6 +37,7 @@ import numpy as np
 from dtlab.core.failures import OpState, RankFailure
 from dtlab.instrument.calls import OP_NAMES
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
+from dtlab.launch.flight import Dumps
 from dtlab.launch.rank import LIVE_SLOTS, rank_main
 
 # Imported once in the forkserver, so every rank starts with them loaded (seconds saved per launch).
@@ -263,6 +265,13 @@ class _Ranks:
     def kill(self) -> None:
         _kill_all(self.procs)
 
+    def ask_for_dumps(self, dumps: Dumps) -> None:
+        """A failed launch: every rank still running (hung, or busy while the others timed out) dumps its
+        Flight Recorder buffer before teardown kills it; those that raised dumped already."""
+        if self.failures:
+            running = [r for r, p in enumerate(self.procs) if p.exitcode is None and r not in self.results]
+            dumps.request(dumps.missing(running))
+
     def teardown(self) -> None:
         """However the launch ended: no rank survives, every pipe closes, the logs are read and removed."""
         self.alive_w.close()  # every rank process, even one whose pid never reached us, now exits
@@ -274,13 +283,13 @@ class _Ranks:
         self.logs = {r: read_text(path) for r, path in enumerate(self.log_paths)}
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def collect(self) -> LaunchResult:
-        """The values in rank order, or the error that names the culprit first."""
+    def collect(self, flight: dict[int, bytes]) -> LaunchResult:
+        """The values in rank order, or the error that names the culprit first (with the ranks' dumps)."""
         if self.failures:
             ops = _op_states(self.live, self.world_size, set(self.results))
-            raise launch_error(list(self.failures.values()), ops, self.note)
+            raise launch_error(list(self.failures.values()), ops, self.note, flight=flight)
         values = [self.results[r] for r in range(self.world_size)]
-        return LaunchResult(values, self.logs, time.perf_counter() - self.started)
+        return LaunchResult(values, self.logs, time.perf_counter() - self.started, flight=flight)
 
 
 def _payload(fn: Callable[..., Any], args: tuple) -> bytes:
@@ -304,6 +313,7 @@ def launch(
     record: bool = True,
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
+    flight_recorder: bool = False,
 ) -> LaunchResult:
     """Run ``fn(info, *args)`` on ``world_size`` ranks and return their results.
 
@@ -312,23 +322,31 @@ def launch(
     optionally bounds the whole launch. ``progress`` shows rank 0's
     ``report()`` calls with tqdm, or passes them to a callable. Setting the
     ``stop`` event (from another thread: a widget's Stop button) kills every rank
-    and raises ``LaunchStopped``. See ``LaunchOptions`` and ``LaunchResult``.
+    and raises ``LaunchStopped``. ``flight_recorder`` switches PyTorch's Flight
+    Recorder on in every rank; the result (or the error, as ``error.flight``)
+    holds each rank's dump. See ``LaunchOptions`` and ``LaunchResult``.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid: must be an integer >= 1")
     options = LaunchOptions(backend=backend, device=device, timeout_s=timeout_s, deadline_s=deadline_s,
-                            progress=progress, record=record, env=env or {}, stop=stop)
+                            progress=progress, record=record, env=env or {}, stop=stop,
+                            flight_recorder=flight_recorder)
     ctx = _context(start_method)
     payload = _payload(fn, args)
+    dumps = Dumps(options.flight_recorder)
+    options = dataclasses.replace(options, env={**options.env, **dumps.env()})
     store, port = _loopback_store(world_size, options.timeout_s)
     ranks = _Ranks(ctx, world_size, options)
     try:
         ranks.start(payload, port)
         ranks.wait()
+        ranks.ask_for_dumps(dumps)
     except (KeyboardInterrupt, LaunchStopped):
         ranks.kill()
         raise
     finally:
         ranks.teardown()
         del store  # the store's server stops with the launch
-    return ranks.collect()
+        flight = dumps.collect()
+        dumps.close()
+    return ranks.collect(flight)

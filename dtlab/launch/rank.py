@@ -25,6 +25,7 @@ from dtlab.core import progress
 from dtlab.core.env import DistInfo
 from dtlab.core.failures import ErrorReport
 from dtlab.instrument.recorder import CommRecorder
+from dtlab.launch import flight
 from dtlab.launch.contract import RankOptions
 
 LIVE_SLOTS = 5  # per rank: collective count, op code, in flight, entered at, step
@@ -92,12 +93,15 @@ def rank_main(payload: bytes, rank: int, world_size: int, port: int, conn: Any, 
     _redirect_output(log_path)
     progress.attach(conn, rank)
     _set_environment(rank, world_size, port, options)
+    flight.arm(rank)  # with Flight Recorder on: dump when the launcher asks (a rank stuck anywhere)
     try:
         value = _run(payload, rank, world_size, port, live_buffer, options)
+        flight.dump(rank, "end")  # before the value goes home: the launcher may end this process after it
         conn.send(("ok", cloudpickle.dumps(value)))
         DistInfo.cleanup()
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         report = ErrorReport(rank, type(exc).__name__, str(exc), traceback.format_exc(), time.time())
+        flight.dump(rank, "error", f"{report.error_type}: {report.message}")
         with contextlib.suppress(Exception):
             conn.send(("error", report))
         sys.stdout.flush()

@@ -11,6 +11,7 @@ whole session: torchrun, its agent and every worker. It takes the same
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -35,6 +36,7 @@ from dtlab.core import events
 from dtlab.core.failures import RankFailure
 from dtlab.launch import workdir as workdir_files
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
+from dtlab.launch.flight import Dumps
 
 # torchrun's failure report: one block per failed rank, "Root Cause" (its first observed failure) last.
 _BLOCK = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)
@@ -127,6 +129,7 @@ def launch_torchrun(
     env: dict[str, str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     stop: threading.Event | None = None,
+    flight_recorder: bool = False,
 ) -> LaunchResult:
     """Run ``fn(info, *args)`` on ``nproc_per_node`` ranks per node under torchrun; return every rank's result.
 
@@ -135,20 +138,25 @@ def launch_torchrun(
     the world grow). The result's ``events`` hold what the workers reported with
     ``dtlab.core.events.emit`` (starts, restarts, snapshots, faults), oldest first;
     its ``logs`` are keyed by node. ``workdir`` (default: a temporary directory,
-    removed afterwards) is where the job, results and events are exchanged.
+    removed afterwards) is where the job, results and events are exchanged; with ``flight_recorder``, each
+    rank's Flight Recorder dump too (``WORKDIR/flight_recorder``, returned as the result's ``flight``).
     """
     options = LaunchOptions(backend=backend, device=device, timeout_s=timeout_s, deadline_s=deadline_s,
-                            progress=progress, record=record, env=env or {}, stop=stop)
+                            progress=progress, record=record, env=env or {}, stop=stop,
+                            flight_recorder=flight_recorder)
     if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node!r} is invalid: must be an integer >= 1")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} is invalid: must be >= 0")
     nodes = list(nodes or [Node()])
     with _workdir(workdir) as work:
+        dumps = Dumps(flight_recorder, work / "flight_recorder")
+        options = dataclasses.replace(options, env={**options.env, **dumps.env()})
         _write_payload(work, fn, args, options)
         commands, rdzv_id = _node_commands(work, nodes, nproc_per_node, nnodes or str(len(nodes)), max_restarts,
                                            rdzv_conf)
-        agents = _Agents(work, nodes, commands, rdzv_id, options)
+        agents = _Agents(work, nodes, commands, rdzv_id, options, dumps)
+        agents.world = nproc_per_node * len(nodes)
         agents.run()
         return agents.collect(nproc_per_node)
 
@@ -200,8 +208,9 @@ class _Agents:
     """
 
     def __init__(self, work: Path, nodes: list[Node], commands: list[list[str]], rdzv_id: str,
-                 options: LaunchOptions) -> None:
+                 options: LaunchOptions, dumps: Dumps) -> None:
         self.work, self.nodes, self.commands, self.rdzv_id, self.options = work, nodes, commands, rdzv_id, options
+        self.dumps, self.world = dumps, 0
         self.env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", **options.env}
         self.bar = ProgressBar(options.progress)
         self.relay = _Relay(work, self.bar)
@@ -279,6 +288,8 @@ class _Agents:
         return self.stopped
 
     def _teardown(self) -> None:
+        if self.failed_at is not None or self.note:  # ranks still running dump before they are killed
+            self.dumps.request(range(self.world), wait_s=1.0)
         for p in self.procs.values():
             if p.poll() is None or self.note or self.stopped:
                 kill_session(p)
@@ -292,10 +303,12 @@ class _Agents:
         run_events = events.read_events(self.work)
         results = result_paths(self.work)
         ok = not self.note and all(p.returncode == 0 for i, p in self.procs.items() if i not in self.late)
+        flight = self.dumps.collect()
         if ok and results:
-            return LaunchResult(load_results(results.values()), logs, time.perf_counter() - self.started, run_events)
+            return LaunchResult(load_results(results.values()), logs, time.perf_counter() - self.started, run_events,
+                                flight)
         failures = _failures(self.work, nproc_per_node * len(self.procs), list(logs.values()), self.note)
-        raise launch_error(failures, note=self.note, events=run_events)
+        raise launch_error(failures, note=self.note, events=run_events, flight=flight)
 
 
 def result_paths(workdir: Path) -> dict[int, Path]:

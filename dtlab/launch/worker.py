@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -30,6 +31,7 @@ from dtlab.core.config import resolve_import_path
 from dtlab.core.env import DistInfo
 from dtlab.core.events import WORKDIR_ENV, emit
 from dtlab.core.results import atomic_write
+from dtlab.launch import flight
 from dtlab.launch.contract import RankOptions
 from dtlab.launch.rank import call_recorded
 from dtlab.launch.workdir import CONFIG, PAYLOAD, error_path, progress_path, read_config, result_path
@@ -61,6 +63,21 @@ class _ProgressFile:
         self.file.write(json.dumps(message[1], default=str) + "\n")
 
 
+def _arm_flight_recorder(rank: int) -> None:
+    """With Flight Recorder on: dump when the launcher asks, and when torchrun's agent stops this worker
+    (SIGTERM, sent to the survivors once one rank failed): dump, then die of the signal as before."""
+    if not os.environ.get(flight.DIR_ENV):
+        return
+    flight.arm(rank)
+
+    def on_term(signum: int, _frame: Any) -> None:
+        flight.dump(rank, "terminated")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main(workdir: Path) -> int:
     rank = int(os.environ["RANK"])
     os.environ[WORKDIR_ENV] = str(workdir)
@@ -71,9 +88,11 @@ def main(workdir: Path) -> int:
         fn, args, options = _load(workdir)
         if options.gloo_ifname:  # dtlab's own launches keep gloo on loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", options.gloo_ifname)
+        _arm_flight_recorder(rank)
         info = DistInfo.init(options.backend, options.device, options.timeout_s)
         emit("process_group_ready")
         value = call_recorded(fn, info, args, options.record)
+        flight.dump(rank, "end")
         atomic_write(result_path(workdir, rank), cloudpickle.dumps(value))
         emit("worker_finish")
         DistInfo.cleanup()
@@ -81,6 +100,7 @@ def main(workdir: Path) -> int:
         report = {"rank": rank, "error_type": type(exc).__name__, "message": str(exc),
                   "traceback": traceback.format_exc(), "time": time.time(),
                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+        flight.dump(rank, "error", f"{report['error_type']}: {report['message']}")
         atomic_write(error_path(workdir, rank), json.dumps(report).encode())
         emit("worker_error", error_type=type(exc).__name__, message=str(exc)[:500])
         traceback.print_exc()

@@ -62,8 +62,9 @@ def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forks
                             start_method=start_method)
     start = time.perf_counter()
     out = launch(train, spec.processes(cfg), args=(cfg,), backend=cfg.backend, device=cfg.device,
-                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record, stop=stop)
-    return RunResult(cfg, out.values, time.perf_counter() - start, out.logs, out.events)
+                 timeout_s=cfg.timeout_s, progress=progress, start_method=start_method, record=record, stop=stop,
+                 flight_recorder=cfg.flight_recorder)
+    return RunResult(cfg, out.values, time.perf_counter() - start, out.logs, out.events, out.flight)
 
 
 def resolve_network(plan: AgentPlan | ReplicaPlan) -> tuple[str, str]:
@@ -110,8 +111,8 @@ def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record:
         out = launch_torchrun(train, plan.nproc_per_node, args=(cfg_run,), nodes=nodes, nnodes=plan.nnodes,
                               backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout_s,
                               max_restarts=plan.max_restarts, rdzv_conf=rdzv_conf, progress=progress,
-                              record=record, stop=stop)
-    result = RunResult(cfg, out.values, time.perf_counter() - start, out.logs, out.events)
+                              record=record, stop=stop, flight_recorder=cfg.flight_recorder)
+    result = RunResult(cfg, out.values, time.perf_counter() - start, out.logs, out.events, out.flight)
     for rank in result.ranks:
         rank.strategy["network"] = network
         rank.strategy["link_mbit"] = plan.link_mbit if network == "netns" else 0.0

@@ -12,7 +12,10 @@
 
 Each program is ``train(info)``, run on every rank by ``dtlab.launch`` with
 the CommRecorder on and a short collective timeout, so a hang ends in seconds
-with dtlab's last-collective-per-rank table. A check judges what the ranks
+with dtlab's last-collective-per-rank table. The last four bugs run with
+PyTorch's Flight Recorder too: their hang's report reads every rank's dump and
+names the rank, the collective and its sequence number (``run(name).diagnosis``),
+beside torch's own analyser's verdict. A check judges what the ranks
 did -- their optimizer steps, the samples they read, their collectives and
 when they entered them -- never the source. ``solution(name)`` is the
 reference fix. Every verdict is added to ``results/progress.jsonl``:
@@ -23,19 +26,33 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.core.failures import RankError
+from dtlab.core.flight import torch_verdict
+from dtlab.core.flight_diagnosis import Diagnosis, diagnose
 from dtlab.core.results import RunResult
 from dtlab.exercises._check import CheckResult, failure_feedback
 from dtlab.exercises._progress import record
-from dtlab.exercises.bugzoo import rank_branch, seed, set_epoch, straggler, uneven_batches, unused_parameter
+from dtlab.exercises.bugzoo import (
+    collective_order,
+    rank_branch,
+    seed,
+    set_epoch,
+    skipped_collective,
+    straggler,
+    stuck_rank,
+    uneven_batches,
+    unused_parameter,
+    wrong_group,
+)
 from dtlab.exercises.bugzoo._zoo import Bug, RankRun, as_run_result, launch_program
 from dtlab.exercises.bugzoo._zoo import check as _check
 
 _BUGS: dict[str, Bug] = {b.name: b for b in (seed.BUG, set_epoch.BUG, rank_branch.BUG, unused_parameter.BUG,
-                                            uneven_batches.BUG, straggler.BUG)}
+                                            uneven_batches.BUG, straggler.BUG, skipped_collective.BUG,
+                                            collective_order.BUG, wrong_group.BUG, stuck_rank.BUG)}
 _COMMON_IMPORTS = ("from typing import Any", "import torch", "import torch.distributed as dist",
                    "import torch.nn.functional as F", "from dtlab.exercises.bugzoo import kit")
 DEFAULT_TIMEOUT_S = 3.0
@@ -84,12 +101,17 @@ def solution(name: str) -> Callable[..., Any]:
 
 @dataclass
 class ZooRun:
-    """One run of a zoo program: every rank's record, or the launch's error; ``result`` for dtlab.analysis."""
+    """One run of a zoo program: every rank's record, or the launch's error; ``result`` for dtlab.analysis.
+
+    For a bug run with Flight Recorder: ``flight`` holds each rank's dump and ``diagnosis`` what they say
+    (the rank, the collective, its sequence number; see ``dtlab.core.flight_diagnosis``)."""
 
     name: str
     ranks: list[RankRun] | None
     error: RankError | None
     report: str
+    flight: dict[int, bytes] = field(default_factory=dict, repr=False)
+    diagnosis: Diagnosis | None = None
 
     @property
     def result(self) -> RunResult:
@@ -112,10 +134,15 @@ def run(name: str, fn: Callable[..., Any] | None = None, *, world_size: int = 2,
     """
     bug = _bug(name)
     try:
-        ranks = launch_program(fn or bug.buggy, world_size, timeout_s, env)
+        ranks = launch_program(fn or bug.buggy, world_size, timeout_s, env, flight_recorder=bug.flight_recorder)
     except RankError as err:
         lines = [failure_feedback(err, timeout_s), "last collective per rank (dtlab's CommRecorder):"]
-        zoo = ZooRun(name, None, err, "\n".join(lines + [f"  {s.describe()}" for s in err.ops]))
+        lines += [f"  {s.describe()}" for s in err.ops]
+        flight = getattr(err, "flight", {})
+        found = diagnose(flight) if flight else None
+        if found is not None:
+            lines += ["Flight Recorder, every rank's dump read by dtlab:", f"  {found}", torch_verdict(flight)]
+        zoo = ZooRun(name, None, err, "\n".join(lines), flight, found)
     else:
         zoo = ZooRun(name, ranks, None, _symptom(bug, ranks))
     if show:

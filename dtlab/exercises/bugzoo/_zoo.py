@@ -17,6 +17,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dtlab.core.failures import RankError
+from dtlab.core.flight_diagnosis import diagnose
 from dtlab.core.results import RankResult, RunResult
 from dtlab.exercises._check import Call, CheckResult, call_learner, failure_feedback, max_abs
 from dtlab.exercises.bugzoo import kit
@@ -71,6 +72,7 @@ class Bug:
     helpers: tuple[Callable[..., Any], ...] = ()
     constants: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()
+    flight_recorder: bool = False  # run with PyTorch's Flight Recorder: a hang's report reads the ranks' dumps
 
 
 def _flat(tensors: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -120,11 +122,19 @@ def on_rank(info: Any, fn: Callable[..., Any]) -> RankRun:
     return RankRun(value, tuple(steps), final, fetched, calls, events)
 
 
-def launch_program(fn: Callable[..., Any], n: int, timeout_s: float,
-                   env: dict[str, str] | None = None) -> list[RankRun]:
-    """Every rank's record (RankError, or ValueError when ``fn`` cannot be sent, if the launch failed)."""
+def launch_program(fn: Callable[..., Any], n: int, timeout_s: float, env: dict[str, str] | None = None,
+                   flight_recorder: bool = False) -> list[RankRun]:
+    """Every rank's record (RankError, or ValueError when ``fn`` cannot be sent, if the launch failed).
+
+    With ``flight_recorder`` a failed launch's error carries the ranks' dumps (``err.flight``)."""
     return launch(on_rank, n, args=(fn,), progress=False, record=True, timeout_s=timeout_s,
-                  deadline_s=30 + 3 * timeout_s, env=env).values
+                  deadline_s=30 + 3 * timeout_s, env=env, flight_recorder=flight_recorder).values
+
+
+def flight_reading(err: RankError) -> str:
+    """What the ranks' Flight Recorder dumps say about a failed launch (empty without dumps): dtlab's diagnosis."""
+    dumps = getattr(err, "flight", None)
+    return f"Flight Recorder: {diagnose(dumps)}" if dumps else ""
 
 
 def torch_detail(err: RankError) -> str:
@@ -145,10 +155,11 @@ def check(bug: Bug, fn: Callable[..., Any], timeout_s: float) -> CheckResult:
     runs: dict[int, list[RankRun]] = {}
     for n in bug.world_sizes:
         try:
-            runs[n] = launch_program(fn, n, timeout_s)
+            runs[n] = launch_program(fn, n, timeout_s, flight_recorder=bug.flight_recorder)
         except RankError as err:
             table, detail = hang_table(err), torch_detail(err)
-            parts = [failure_feedback(err, timeout_s), detail, f"Last collective per rank: {table}" if table else ""]
+            parts = [failure_feedback(err, timeout_s), detail, f"Last collective per rank: {table}" if table else "",
+                     flight_reading(err)]
             feedback = " ".join(p if p.endswith(".") else p + "." for p in parts if p)
             return CheckResult(bug.name, False, f"World size {n}: {feedback}")
         except ValueError as err:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlab.core import compat
 from dtlab.instrument.recorder import active
 
 FEATURES, CLASSES, WIDTH = 8, 4, 16
@@ -69,12 +70,22 @@ def batch(step: int, global_batch: int = 16) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(global_batch, FEATURES, generator=gen), torch.randint(0, CLASSES, (global_batch,), generator=gen)
 
 
-def average_gradients(model: nn.Module) -> None:
-    """The global batch's gradient on every rank: one all_reduce (sum) of all gradients, then / world size."""
+def new_group(desc: str) -> Any:
+    """``dist.new_group(group_desc=desc)`` over every rank, with the default group's collective timeout.
+
+    Without ``timeout`` a new group waits torch's own default (30 minutes for gloo), not the timeout the
+    process group was started with: a hang in it would outlast any sensible wait.
+    """
+    return dist.new_group(group_desc=desc, timeout=compat.group_timeout())
+
+
+def average_gradients(model: nn.Module, group: Any = None) -> None:
+    """The global batch's gradient on every rank: one all_reduce (sum) of all gradients over ``group`` (default:
+    every rank), then / its size."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
