@@ -30,6 +30,7 @@ may overshoot by one gradient.)
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from dtlab.exercises._check import (
     flat_grads,
     flat_params,
     max_abs,
+    ordinal,
     recorder_now,
     sgd_reference,
 )
@@ -73,11 +75,12 @@ def ready_order_bytes() -> list[int]:
     return [p.numel() * p.element_size() for p in reversed(list(_model().parameters()))]
 
 
-def pack(sizes: Sequence[int], bucket_bytes: int) -> list[int]:
-    """Greedy packing in order: each bucket's bytes. A size that would overflow the current bucket opens a new one."""
+def pack(sizes: Sequence[int], bucket_bytes: int, ddp_rule: bool = False) -> list[int]:
+    """Greedy packing in order: each bucket's bytes. A size that would overflow the current bucket opens a new one;
+    under ``ddp_rule`` (DDP's own) a bucket stays open until it has reached bucket_bytes, so it may overshoot."""
     buckets: list[int] = []
     for size in sizes:
-        if buckets and buckets[-1] + size <= bucket_bytes:
+        if buckets and (buckets[-1] < bucket_bytes if ddp_rule else buckets[-1] + size <= bucket_bytes):
             buckets[-1] += size
         else:
             buckets.append(size)
@@ -207,6 +210,7 @@ class Step:
     params: torch.Tensor
     calls: tuple[Call, ...]
     backward_end: float
+    computed: tuple[float, ...]  # when backward computed each gradient, in the order of model.parameters()
 
 
 def _backward_then_finish(loss: torch.Tensor, finish: Callable[[], None]) -> float:
@@ -218,6 +222,9 @@ def _backward_then_finish(loss: torch.Tensor, finish: Callable[[], None]) -> flo
 
 def on_rank(info: Any, fn: Any) -> list[Step]:
     model = _model()
+    computed: dict[int, float] = {}
+    for i, p in enumerate(model.parameters()):  # registered before the learner's hooks, so these run first
+        p.register_hook(functools.partial(_stamp, computed, i))
     finish, _ = call_learner(fn, model, BUCKET_BYTES[info.world_size], where="when setting up")
     if not callable(finish):
         raise ExerciseError(f"rank {info.rank}: your function returned {finish!r}; it must return finish, a function "
@@ -226,13 +233,20 @@ def on_rank(info: Any, fn: Any) -> list[Step]:
     steps = []
     for step in range(STEPS):
         opt.zero_grad()
+        computed.clear()
         x, y = _batch(step, info.rank, info.world_size)
         loss = F.cross_entropy(model(x), y)
         backward_end, calls = call_learner(_backward_then_finish, loss, finish, where=f"in step {step}")
         synced = flat_grads(model)
         opt.step()
-        steps.append(Step(synced, flat_params(model), calls, backward_end))
+        stamps = tuple(computed.get(i, math.inf) for i in range(len(list(model.parameters()))))
+        steps.append(Step(synced, flat_params(model), calls, backward_end, stamps))
     return steps
+
+
+def _stamp(computed: dict[int, float], i: int, grad: torch.Tensor) -> None:
+    """A tensor hook: backward has just computed parameter i's gradient (before it is accumulated into p.grad)."""
+    computed[i] = recorder_now()
 
 
 # -- judging -----------------------------------------------------------------------------------------------------
@@ -240,8 +254,9 @@ def judge(n: int, ranks: list[list[Step]]) -> str | None:
     ref_grads, ref_params = reference()
     for s in range(STEPS):
         steps = [r[s] for r in ranks]
-        problem = (_forbidden(s, steps) or _parity(s, n, steps, ref_grads[s], ref_params[s])
-                   or _overlap(s, steps) or _bucketing(s, n, steps) or _blocking(s, steps))
+        problem = (_forbidden(s, steps) or _after_backward(s, steps) or _not_reset(s, steps, [r[0] for r in ranks])
+                   or _too_early(s, steps) or _parity(s, n, steps, ref_grads[s], ref_params[s])
+                   or _bucketing(s, n, steps) or _blocking(s, steps))
         if problem:
             return problem
     return None
@@ -265,7 +280,8 @@ def _parity(s: int, n: int, steps: list[Step], ref_grad: torch.Tensor, ref_param
     synced = steps[0].synced
     if (err := max_abs(synced, ref_grad)) > TOL:
         if max_abs(synced, ref_grad * n) <= TOL * n:
-            hint = f"they are {n}× the global batch's (the sum over ranks): did finish() divide by the world size?"
+            hint = (f"they are {n}× the global batch's: summed, not averaged. finish() must divide each bucket's sum "
+                    "by the world size.")
         else:
             hint = (f"they differ by {err:.1e} from the whole batch's gradient (the mean of the ranks' gradients): "
                     "finish() must wait on every bucket's work, divide it by the world size and copy each part back "
@@ -299,6 +315,9 @@ def _bucketing(s: int, n: int, steps: list[Step]) -> str | None:
                     "bucket whenever the next gradient would take the current one past bucket_bytes.")
         elif got == sizes:
             hint = " That is one all_reduce per parameter: pack the gradients into buckets first."
+        elif got == pack(sizes, cap, ddp_rule=True):
+            hint = (" That is DDP's own rule, a bucket closing once it has reached its cap (so it overshoots); here a "
+                    "bucket never goes past bucket_bytes: the gradient that would take it past opens the next one.")
         elif sorted(got) == sorted(expected):
             hint = " The right buckets in another order: all-reduce each one as soon as its last gradient is in."
         else:
@@ -308,13 +327,45 @@ def _bucketing(s: int, n: int, steps: list[Step]) -> str | None:
     return None
 
 
-def _overlap(s: int, steps: list[Step]) -> str | None:
+def _after_backward(s: int, steps: list[Step]) -> str | None:
     for r, st in enumerate(steps):
-        if st.calls and all(call.start >= st.backward_end for call in st.calls):
+        late = [call for call in st.calls if call.start >= st.backward_end]
+        if not late:
+            continue
+        if len(late) == len(st.calls):
             return (f"your buckets are reduced after backward: nothing overlaps. In step {s} rank {r} issued all "
                     f"{len(st.calls)} of its all_reduces after loss.backward() had returned. Issue each bucket's "
                     "all_reduce (async_op=True) from the hook that completes the bucket "
                     "(p.register_post_accumulate_grad_hook), while backward still runs, and only wait in finish().")
+        sizes = ", ".join(f"{call.nbytes:,}" for call in late)
+        return (f"in step {s} rank {r} issued {len(late)} of its {len(st.calls)} all_reduces ({sizes} bytes) after "
+                "loss.backward() had returned, in finish(): every all_reduce starts from the hook that completes "
+                "its bucket, while backward runs; finish() only waits on them and writes the averages back.")
+    return None
+
+
+def _not_reset(s: int, steps: list[Step], firsts: list[Step]) -> str | None:
+    for r, (st, first) in enumerate(zip(steps, firsts)):
+        if s and first.calls and not st.calls:
+            return (f"in step {s} rank {r} issued no all_reduce (in step 0 it issued {len(first.calls)}): no bucket "
+                    "was complete again. finish() must reset what counts the gradients in (and clear the pending "
+                    "works) for the next step.")
+    return None
+
+
+def _too_early(s: int, steps: list[Step]) -> str | None:
+    """Each all_reduce may carry only gradients that backward had computed when it was issued."""
+    sizes = [p.numel() * p.element_size() for p in _model().parameters()]
+    for r, st in enumerate(steps):
+        carried = 0
+        for k, call in enumerate(sorted(st.calls, key=lambda c: c.start)):
+            carried += call.nbytes
+            ready = sum(size for size, t in zip(sizes, st.computed) if t <= call.start)
+            if carried > ready:
+                return (f"in step {s} rank {r} issued its {ordinal(k + 1)} all_reduce ({call.nbytes:,} bytes) when "
+                        f"backward had computed only {ready:,} bytes of gradients, fewer than its all_reduces had "
+                        f"carried by then ({carried:,}): it sent a bucket before all of its gradients were ready. "
+                        "Count each bucket's gradients in, and issue its all_reduce from the hook of its last one.")
     return None
 
 

@@ -172,6 +172,22 @@ def reference(n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], float]:
     return tuple(flat_grads(_stage(model, n, r)) for r in range(n)), float(loss.detach())
 
 
+@functools.cache
+def micro_reference(n: int, seed: int, m: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Per micro-batch k of m: (each stage's flat gradients of micro-batch k's loss / m alone, one tensor per stage
+    stacking the k's; the activations entering each stage, stacked the same way)."""
+    x, y = _batch(seed)
+    grads, inputs = [], []
+    for xk, yk in zip(x.tensor_split(m), y.tensor_split(m)):
+        model = _model()
+        (F.cross_entropy(model(xk), yk) / m).backward()
+        grads.append([flat_grads(_stage(model, n, r)) for r in range(n)])
+        with torch.no_grad():
+            inputs.append([model[:SPLITS[n][r]](xk) for r in range(n)])
+    return (tuple(torch.stack([g[r] for g in grads]) for r in range(n)),
+            tuple(torch.stack([a[r] for a in inputs]) for r in range(n)))
+
+
 # -- on a rank ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -182,6 +198,7 @@ class Case:
     loss: float | None
     returned: str
     calls: tuple[Call, ...]
+    received: torch.Tensor | None  # on ranks > 0: the M buffers handed to fn, stacked, after it
 
 
 def on_rank(info: Any, fn: Any) -> list[Case]:
@@ -198,8 +215,9 @@ def on_rank(info: Any, fn: Any) -> list[Case]:
         returned, calls = call_learner(fn, stage, micro_batches, targets, F.cross_entropy,
                                        where=f"with {m} micro-batches")
         scalar = isinstance(returned, torch.Tensor) and returned.numel() == 1
+        received = torch.stack([b.detach() for b in micro_batches]) if rank else None
         cases.append(Case(m, flat_grads(stage), float(returned.detach()) if scalar else None,
-                          repr(returned) if returned is None else type(returned).__name__, calls))
+                          repr(returned) if returned is None else type(returned).__name__, calls, received))
     return cases
 
 
@@ -208,7 +226,7 @@ def judge(n: int, ranks: list[list[Case]]) -> str | None:
     for i, (m, seed) in enumerate(CASES):
         case = [cases[i] for cases in ranks]
         problem = (_collective(m, case) or _neighbours(m, case) or _transfers(n, m, case) or _schedule(m, case)
-                   or _gradients(n, m, seed, case) or _loss(n, m, seed, case))
+                   or _order(n, m, seed, case) or _gradients(n, m, seed, case) or _loss(n, m, seed, case))
         if problem:
             return problem
     return None
@@ -288,6 +306,24 @@ def _schedule(m: int, case: list[Case]) -> str | None:
     return None
 
 
+def _order(n: int, m: int, seed: int, case: list[Case]) -> str | None:
+    """The activations each rank received into its buffers: another micro-batch's in buffer k says the
+    micro-batches went forward out of order (buffers the function did not receive into say nothing)."""
+    expected = micro_reference(n, seed, m)[1]
+    for r, c in enumerate(case[1:], 1):
+        if c.received is None or c.received.shape != expected[r].shape:
+            continue
+        got = [next((j for j in range(m) if max_abs(c.received[k], expected[r][j]) <= TOL), None) for k in range(m)]
+        wrong = [k for k in range(m) if got[k] is not None and got[k] != k]
+        if wrong:
+            k = wrong[0]
+            return (f"rank {r} received micro-batch {got[k]}'s activations as micro-batch {k} (into "
+                    f"micro_batches[{k}]), with {m} micro-batches: the micro-batches went forward out of order. "
+                    "Every stage handles them in the same order, 0 to M - 1, so that the last stage pairs each with "
+                    "its own target.")
+    return None
+
+
 def _gradients(n: int, m: int, seed: int, case: list[Case]) -> str | None:
     ref, _ = reference(n, seed)
     for r, c in enumerate(case):
@@ -298,6 +334,12 @@ def _gradients(n: int, m: int, seed: int, case: list[Case]) -> str | None:
             return (f"stage {r}'s gradients are {m}× the whole batch's with {m} micro-batches: scale each "
                     f"micro-batch's loss by 1/M (1/{m}) before its backward. loss_fn gives a micro-batch's mean "
                     "loss, and the batch's mean loss is the mean of the M of them.")
+        per_micro = micro_reference(n, seed, m)[0][r]
+        alone = [k for k in range(m) if max_abs(c.grads, per_micro[k]) <= TOL]
+        if alone:
+            return (f"stage {r}'s gradients are those of micro-batch {alone[0]} alone, with {m} micro-batches: the "
+                    "gradients of all the micro-batches must add up in .grad, so nothing may zero them (no "
+                    "zero_grad) between one micro-batch's backward and the next.")
         if not bool(c.grads.any()):
             return (f"stage {r}'s parameters got no gradient with {m} micro-batches: every stage runs backward for "
                     "every micro-batch (the last from its scaled loss, the others from the gradient received from "

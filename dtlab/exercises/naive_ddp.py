@@ -139,8 +139,7 @@ def judge(n: int, ranks: list[list[Step]]) -> str | None:
     ref_grads, ref_params = reference()
     for s in range(STEPS):
         steps = [r[s] for r in ranks]
-        problem = (_disagree(s, steps) or _wrong_gradient(s, n, steps[0], ref_grads[s], ref_params[s])
-                   or _params_moved(s, steps[0], ref_params[s]))
+        problem = _gradients(s, n, steps, ref_grads[s], ref_params[s]) or _params_moved(s, steps[0], ref_params[s])
         if problem:
             return problem
     for r, steps in enumerate(ranks):
@@ -149,33 +148,78 @@ def judge(n: int, ranks: list[list[Step]]) -> str | None:
     return None
 
 
-def _disagree(s: int, steps: list[Step]) -> str | None:
-    for r, st in enumerate(steps[1:], 1):
-        diff = max_abs(st.synced, steps[0].synced)
-        if diff <= TOL:
-            continue
-        if all(torch.equal(x.synced, x.local) for x in steps):
-            return (f"ranks disagree after step {s}: your function left every rank with its own shard's gradient "
-                    f"(rank {r}'s differs from rank 0's by {diff:.1e}). Average them over the ranks: all_reduce "
-                    "each p.grad (a sum), then divide by the world size.")
-        return (f"ranks disagree after step {s}: after your function rank {r}'s gradients differ from rank 0's by "
-                f"{diff:.1e}; every rank must end with the same gradient, the global batch's.")
-    return None
+@functools.lru_cache(maxsize=1)
+def _parameters() -> tuple[tuple[str, int], ...]:
+    """Each parameter's name and number of elements, in the order of model.parameters() (and of the flat grads)."""
+    return tuple((name, p.numel()) for name, p in _model().named_parameters())
 
 
-def _wrong_gradient(s: int, n: int, st: Step, ref_grad: torch.Tensor, ref_params: torch.Tensor) -> str | None:
-    err = max_abs(st.synced, ref_grad)
-    if err <= TOL:
+def _what(got: torch.Tensor, ref: torch.Tensor, locals_: list[torch.Tensor], r: int, n: int) -> str | None:
+    """What rank r's gradient (all of it, or one parameter's) is when it is not the global batch's; None: it is."""
+    if max_abs(got, ref) <= TOL:
         return None
-    head = (f"after step {s} the parameters differ by {max_abs(st.params, ref_params):.1e} from one process on "
-            "the whole batch")
-    if max_abs(st.synced, ref_grad * n) <= TOL * n:
-        return (f"{head}: the gradients are {n}× the global batch's (the sum over ranks): did you divide by the "
-                "world size?")
-    if max_abs(st.synced, ref_grad / n) <= TOL:
-        return f"{head}: the gradients are 1/{n} of the global batch's: did you divide by the world size twice?"
-    return (f"{head}: after your function the gradients differ by {err:.1e} from the whole batch's gradient (the "
-            "mean of the ranks' gradients).")
+    if max_abs(got, ref * n) <= TOL * n:
+        return f"{n}× the global batch's: summed, not averaged (divide the sum by the world size)"
+    if max_abs(got, ref / n) <= TOL:
+        return (f"1/{n} of the global batch's: divided by the world size twice (all_reduce sums; divide once, after "
+                "it)")
+    if max_abs(got, locals_[r]) <= TOL:
+        return "this rank's own shard's gradient: not averaged over the ranks"
+    for k, local in enumerate(locals_):
+        if max_abs(got, local) <= TOL:
+            return (f"rank {k}'s own shard's gradient: one rank's gradient copied to the others (a broadcast?), not "
+                    "the mean of every rank's")
+    stacked = torch.stack(locals_)
+    for name, combined in (("maximum", stacked.amax(0)), ("minimum", stacked.amin(0))):
+        for divisor, words in ((1, ""), (n, ", divided by the world size")):
+            if max_abs(got, combined / divisor) <= TOL:
+                return (f"the elementwise {name} of the ranks' gradients{words}: reduce with a sum (ReduceOp.SUM, "
+                        "all_reduce's default), then divide by the world size")
+    return f"off by {max_abs(got, ref):.1e} from the global batch's gradient (the mean of the ranks' gradients)"
+
+
+def _verdict(r: int, n: int, steps: list[Step], ref: torch.Tensor) -> str | None:
+    """Rank r's gradients in words, parameter by parameter where only some are wrong; None when all are right."""
+    locals_ = [st.local for st in steps]
+    whole = _what(steps[r].synced, ref, locals_, r, n)
+    if whole is None or not whole.startswith("off by"):
+        return whole
+    params, bounds = _parameters(), [0]
+    for _, numel in params:
+        bounds.append(bounds[-1] + numel)
+    wrong: dict[str, list[str]] = {}
+    for i, (name, numel) in enumerate(params):
+        part = slice(bounds[i], bounds[i + 1])
+        what = _what(steps[r].synced[part], ref[part], [x[part] for x in locals_], r, n)
+        if what is not None:
+            wrong.setdefault(what, []).append(f"{name} ({numel} elements)")
+    if len(wrong) != 1 or len(next(iter(wrong.values()))) == len(params):
+        return whole
+    what, names = next(iter(wrong.items()))
+    return (f"right for some parameters only: the gradients of {' and '.join(names)} are {what}; the other "
+            "parameters' are right (every parameter's gradient must be averaged)")
+
+
+def _gradients(s: int, n: int, steps: list[Step], ref_grad: torch.Tensor, ref_params: torch.Tensor) -> str | None:
+    verdicts = [_verdict(r, n, steps, ref_grad) for r in range(n)]
+    wrong = [r for r, v in enumerate(verdicts) if v is not None]
+    if not wrong:
+        return None
+    r = wrong[0]
+    if all(max_abs(st.synced, steps[0].synced) <= TOL for st in steps):
+        # the same wrong gradient everywhere: a rank that holds another rank's own says more than that rank
+        r = next((k for k in wrong if not verdicts[k].startswith("this rank's own")), r)
+        return (f"after step {s} the parameters differ by {max_abs(steps[0].params, ref_params):.1e} from one "
+                f"process on the whole batch: the gradients after your function are {verdicts[r]}.")
+    if all(torch.equal(st.synced, st.local) for st in steps):
+        diff = max_abs(steps[1].synced, steps[0].synced)
+        return (f"ranks disagree after step {s}: your function left every rank with its own shard's gradient "
+                f"(rank 1's differs from rank 0's by {diff:.1e}). Average them over the ranks: all_reduce each "
+                "p.grad (a sum), then divide by the world size.")
+    others = [k for k in range(n) if k not in wrong]
+    also = f", while rank {others[0]}'s are right" if others else ""
+    return (f"ranks disagree after step {s}: after your function rank {r}'s gradients are {verdicts[r]}{also}. "
+            "Every rank must end with the same gradient, the global batch's.")
 
 
 def _params_moved(s: int, st: Step, ref_params: torch.Tensor) -> str | None:

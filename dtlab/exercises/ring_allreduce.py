@@ -136,7 +136,8 @@ def on_rank(info: Any, fn: Any) -> list[Case]:
 def judge(n: int, ranks: list[list[Case]]) -> str | None:
     for i in range(len(LENGTHS)):
         case = [cases[i] for cases in ranks]
-        problem = _collective(case) or _wrong_values(case, n) or _not_a_ring(case, n) or _wrong_bytes(case, n)
+        # a transfer off the ring is named before the values it spoils
+        problem = _collective(case) or _not_a_ring(case, n) or _wrong_values(case, n) or _wrong_bytes(case, n)
         if problem:
             return problem
     return None
@@ -174,14 +175,40 @@ def _value_hint(c: Case, expected: torch.Tensor, right: torch.Tensor, n: int) ->
         if returned_sum:
             return " Your function returned the sum but left t as it was: write the sum into t itself."
         return " t is unchanged: the sum must land in t itself (add into its chunks, or t.copy_(...))."
+    if bool(torch.allclose(c.result.double() * n, expected, rtol=RTOL, atol=ATOL)):
+        return (f" t holds the sum divided by the world size ({n}), a mean: all_reduce's default is a sum, so "
+                "leave the sum in t.")
     bounds = torch.tensor([0, *[len(x) for x in torch.arange(c.length).tensor_split(n)]]).cumsum(0)
-    for k in range(n):
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
-        if bool(right[lo:hi].all()) and int(right.sum()) == hi - lo:
-            return (f" Only chunk {k} (elements {lo} to {hi - 1}) holds the sum: that is where reduce-scatter "
-                    "leaves it on this rank. The all-gather phase (n - 1 more rounds, passing the finished chunks "
-                    "to the right) brings every chunk to every rank.")
-    return ""
+    done = [k for k in range(n) if bool(right[int(bounds[k]):int(bounds[k + 1])].all())]
+    rounds = _rounds(c, n)
+    if len(done) == 1 and int(right.sum()) == int(bounds[done[0] + 1] - bounds[done[0]]):
+        lo, hi = int(bounds[done[0]]), int(bounds[done[0] + 1])
+        return (f" Only chunk {done[0]} (elements {lo} to {hi - 1}) holds the sum: that is where reduce-scatter "
+                "leaves it on this rank. The all-gather phase (n - 1 more rounds, passing the finished chunks "
+                f"to the right) brings every chunk to every rank.{rounds}")
+    if done:
+        missing = [k for k in range(n) if k not in done]
+        return (f" {_chunks(done).capitalize()} of {n} hold{'s' * (len(done) == 1)} the sum, {_chunks(missing)} "
+                f"{'does' if len(missing) == 1 else 'do'} not.{rounds}")
+    return rounds
+
+
+def _chunks(ks: list[int]) -> str:
+    """'chunk 2', 'chunks 0 and 1'."""
+    if len(ks) == 1:
+        return f"chunk {ks[0]}"
+    return f"chunks {', '.join(map(str, ks[:-1]))} and {ks[-1]}"
+
+
+def _rounds(c: Case, n: int) -> str:
+    """What the number of sends says, when it is not the ring's 2(n - 1): rounds too many or missing."""
+    sends, ring = sum(call.op in SENDS for call in c.calls), 2 * (n - 1)
+    if sends == ring:
+        return ""
+    off = abs(sends - ring)
+    what = f"{'one' if off == 1 else off} round{'s' * (off > 1)} {'too many' if sends > ring else 'missing'}"
+    return (f" This rank made {sends} send{'s' * (sends != 1)} where a ring makes 2(n - 1) = {ring}, one per round: "
+            f"{what} (each of the two phases runs n - 1 = {n - 1} round{'s' * (n > 2)}).")
 
 
 def _not_a_ring(case: list[Case], n: int) -> str | None:
@@ -213,8 +240,12 @@ def _wrong_bytes(case: list[Case], n: int) -> str | None:
         sent = sent_bytes(c.calls)
         if low * size <= sent <= high * size:
             continue
-        hint = (" Passing whole tensors around the ring gives the right sum, but each rank should send one "
-                "chunk per round." if sent > high * size else " Each of the 2(n - 1) rounds sends one chunk.")
+        largest = max((call.nbytes for call in c.calls if call.op in SENDS), default=0)
+        if largest > ceil_div(c.length, n) * size:
+            hint = (" Passing whole tensors around the ring gives the right sum, but each rank should send one "
+                    "chunk per round.")
+        else:
+            hint = _rounds(c, n) or " Each of the 2(n - 1) rounds sends one chunk."
         return (f"rank {r} sent {sent:,} bytes for a tensor of {c.length} elements ({c.length * size:,} bytes); a "
                 f"ring all-reduce sends 2(n - 1)/n = {ring_fraction(n)} of the tensor: 2(n - 1) = {2 * (n - 1)} chunks "
                 f"of {c.length // n} to {ceil_div(c.length, n)} elements, {low * size:,} to {high * size:,} bytes."

@@ -23,13 +23,17 @@ in broadcasts carrying the parameters' bytes.
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import itertools
 import math
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -58,16 +62,18 @@ DESCRIPTION = (
     "step under ZeRO stage 1, the optimizer state sharded over the ranks. Every rank gets the same parameters "
     "(update them in place) and the same, already averaged, gradients; state is this rank's own dict, empty at "
     "the first call and the same object at every later one: keep all optimizer state in it (the checker weighs "
-    "it). After fn, every rank's parameters must be what torch.optim.Adam (betas (0.9, 0.999), eps 1e-8) gives "
-    "on one process: with t the step count from 1, m = b1*m + (1 - b1)*g, v = b2*v + (1 - b2)*g*g, m_hat = m / "
-    "(1 - b1**t), v_hat = v / (1 - b2**t), p -= lr * m_hat / (sqrt(v_hat) + eps). Rules: a rank's state holds "
-    "only its share, about 1/n of Adam's m and v (n = dist.get_world_size(); how the state is split is up to "
-    "you), so no rank can run full Adam on every parameter; the only calls are broadcasts and all-gathers "
-    "(dist.broadcast, dist.all_gather, dist.all_gather_into_tensor; a barrier is allowed too), carrying about the "
-    f"parameters' bytes per step, at most {MAX_TRAFFIC:g}× them. Checked at world sizes 2, 3 and 4 over {STEPS} "
-    f"steps with {len(SHAPES)} parameters of about 40 elements: the parameters on every rank against "
-    f"torch.optim.Adam on one process (within {TOL:g}); each rank's state (at most 1/n of m, v and a copy of the "
-    "parameters, plus one largest parameter's); and the communication (its kind, and its bytes per step)."
+    "it, and every other tensor the rank still holds after its last call). After fn, every rank's parameters "
+    "must be what torch.optim.Adam (betas (0.9, 0.999), eps 1e-8) gives on one process: with t the step count "
+    "from 1, m = b1*m + (1 - b1)*g, v = b2*v + (1 - b2)*g*g, m_hat = m / (1 - b1**t), v_hat = v / (1 - b2**t), "
+    "p -= lr * m_hat / (sqrt(v_hat) + eps). Rules: a rank's state holds only its share, about 1/n of Adam's m and "
+    "v (n = dist.get_world_size(); how the state is split is up to you), so no rank can run full Adam on every "
+    "parameter; the only calls are broadcasts and all-gathers (dist.broadcast, dist.all_gather, "
+    "dist.all_gather_into_tensor; a barrier is allowed too), carrying about the parameters' bytes per step, at "
+    f"most {MAX_TRAFFIC:g}× them. Checked at world sizes 2, 3 and 4 over {STEPS} steps with {len(SHAPES)} "
+    "parameters of about 40 elements: the parameters on every rank against torch.optim.Adam on one process "
+    f"(within {TOL:g}); what each rank keeps between calls, its state dict and any other tensor, gradients left in "
+    "a .grad included (at most 1/n of m, v and a copy of the parameters, plus one largest parameter's); and the "
+    "communication (its kind, and its bytes per step)."
 )
 
 HINTS = (
@@ -147,50 +153,124 @@ def reference() -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def state_bytes(state: Any, params: Sequence[torch.Tensor]) -> int:
-    """The bytes of every tensor reachable in ``state`` (dicts, lists, optimizers), each storage once, params not."""
-    seen = {p.untyped_storage().data_ptr() for p in params}
+# -- what a rank keeps (a helper other exercises that weigh memory could share) ------------------------------------
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor alive in this process that Python can see (torch.Tensor objects are tracked by the gc)."""
+    is_tensor: dict[type, bool] = {}
+    found = []
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if is_tensor.setdefault(kind, issubclass(kind, torch.Tensor)):
+            found.append(obj)
+    return found
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for one without a plain storage (sparse, meta)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def state_storages(state: Any) -> tuple[dict[int, int], int]:
+    """What ``state`` holds: every tensor's storage reachable in it, {address: bytes}, each once (dicts, lists,
+    optimizers, objects' attributes); and the bytes of its numpy arrays and numbers (8 bytes each)."""
+    storages: dict[int, int] = {}
     visited: set[int] = set()
+    other = 0
 
-    def weigh(x: Any) -> int:
+    def walk(x: Any) -> None:
+        nonlocal other
         if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            if storage.data_ptr() in seen:
-                return 0
-            seen.add(storage.data_ptr())
-            return storage.nbytes()
-        if id(x) in visited:
-            return 0
+            for t in (x, x.grad):
+                if t is not None and (found := _storage(t)):
+                    storages.setdefault(*found)
+            return
+        if isinstance(x, bool | int | float):
+            other += 8
+            return
+        if id(x) in visited or isinstance(x, str | bytes | type | types.ModuleType | types.FunctionType):
+            return
         visited.add(id(x))
-        if isinstance(x, torch.optim.Optimizer):  # its moments, and the tensors it steps if they are copies
-            return weigh(list(x.state.values())) + weigh([group["params"] for group in x.param_groups])
-        if isinstance(x, dict):
-            return sum(weigh(k) + weigh(v) for k, v in x.items())
-        if isinstance(x, list | tuple | set | frozenset):
-            return sum(weigh(v) for v in x)
-        return 0
+        if isinstance(x, np.ndarray):
+            other += x.nbytes
+        elif isinstance(x, torch.optim.Optimizer):  # its moments, and the tensors it steps if they are copies
+            walk(list(x.state.values()))
+            walk([group["params"] for group in x.param_groups])
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list | tuple | set | frozenset | collections.deque):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "__dict__"):
+            walk(vars(x))
 
-    return weigh(state)
+    walk(state)
+    return storages, other
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a rank keeps between calls, in bytes, each storage once and the parameters' own not counted: what its
+    state dict holds, the tensors it holds elsewhere (globals, closures, attributes), how much of either is a
+    gradient left in some tensor's .grad, and a shape per storage (its largest tensor's)."""
+
+    in_state: int
+    outside: int
+    in_grads: int
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def total(self) -> int:
+        return self.in_state + self.outside
+
+
+def kept(state: Any, before: Sequence[torch.Tensor], ours: Sequence[torch.Tensor]) -> Kept:
+    """Weigh what a rank keeps: ``before``, the tensors alive before the learner's first call (still referenced,
+    so that no new storage can take their addresses), and ``ours``, the checker's, are not counted."""
+    gc.collect()  # what only a reference cycle still holds is not kept
+    skip = {found[0] for t in (*before, *ours) if (found := _storage(t))}
+    in_state, other = state_storages(state)
+    outside: dict[int, int] = {}
+    grads: dict[int, int] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for x in live_tensors():
+        for t in (x, x.grad):
+            found = _storage(t) if t is not None else None
+            if found is None or found[0] in skip:
+                continue
+            if found[0] not in in_state:
+                outside.setdefault(*found)
+            if t is not x:
+                grads.setdefault(*found)
+            if t.numel() > math.prod(shapes.get(found[0], (0,))):
+                shapes[found[0]] = tuple(t.shape)
+    in_bytes = other + sum(b for ptr, b in in_state.items() if ptr not in skip)
+    return Kept(in_bytes, sum(outside.values()), sum(grads.values()), tuple(shapes.values()))
 
 
 # -- checking ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Record:
-    """One rank's run: its flat parameters and its calls at each step, and the bytes its state held at the end."""
+    """One rank's run: its flat parameters and its calls at each step, and what it kept at the end."""
 
     params: tuple[torch.Tensor, ...]
     calls: tuple[tuple[Call, ...], ...]
-    state_bytes: int
+    kept: Kept
 
 
 def on_rank(info: Any, fn: Any) -> Record:
     params, state = _initial(), {}
+    before = live_tensors()
     flats, calls = [], []
     for step in range(STEPS):
         _, made = call_learner(fn, params, _gradients(step), state, LR, where=f"in step {step}")
         flats.append(_flat(params))
         calls.append(made)
-    return Record(tuple(flats), tuple(calls), state_bytes(state, params))
+    return Record(tuple(flats), tuple(calls), kept(state, before, [*params, *flats]))
 
 
 def judge(n: int, ranks: list[Record]) -> str | None:
@@ -232,12 +312,22 @@ def _parity(ranks: list[Record]) -> str | None:
             before = ranks[0].params[s - 1] if s else _flat(_initial())
             if max_abs(ranks[0].params[s][OFFSETS[i]:OFFSETS[i + 1]], before[OFFSETS[i]:OFFSETS[i + 1]]) == 0:
                 return (f"parameter {i} was not updated in step {s}: its owner (rank i % n) must update it with "
-                        "Adam and send it to every rank.")
+                        f"Adam and send it to every rank.{_one_source(s, ranks)}")
             return (f"after step {s}, parameter {i} {tuple(SHAPES[i])} differs by {diff:.1e} from full Adam on one "
                     f"process (torch.optim.Adam, lr={LR}, betas={BETAS}, eps={EPS:g}): check the updates of m and "
                     "v, the bias corrections 1 - b1**t and 1 - b2**t with t counting steps from 1, and eps added "
                     "after the square root.")
     return None
+
+
+def _one_source(s: int, ranks: list[Record]) -> str:
+    """When every broadcast of a step came from one rank: what that means."""
+    sources = {call.peer for call in ranks[0].calls[s] if call.op == "broadcast"}
+    if len(ranks) < 2 or len(sources) != 1:
+        return ""
+    src = sources.pop()
+    return (f" Every broadcast in step {s} came from rank {src}, which sent its own copies, updated or not: each "
+            "parameter must come from the rank that updated it.")
 
 
 def state_limit(n: int) -> int:
@@ -248,17 +338,40 @@ def state_limit(n: int) -> int:
 def _state(n: int, ranks: list[Record]) -> str | None:
     full, limit = 2 * PARAM_BYTES, state_limit(n)
     for r, rec in enumerate(ranks):
-        if rec.state_bytes > limit:
-            return (f"rank {r} holds {rec.state_bytes:,} bytes of optimizer state; Adam's full state (m and v for "
-                    f"all {len(SHAPES)} parameters) is {full:,} bytes. Under ZeRO-1 a rank keeps state only for the "
-                    f"parameters it owns, about 1/{n} of it: at most {limit:,} bytes here (1/{n} of m, v and a copy "
-                    "of the parameters, plus one largest parameter's).")
-    total = sum(rec.state_bytes for rec in ranks)
+        k = rec.kept
+        if k.total <= limit:
+            continue
+        where = (f", {k.outside:,} of them outside the state dict (in a global, a closure or an attribute)"
+                 if k.outside else "")
+        return (f"rank {r} keeps {k.total:,} bytes between steps{where}; Adam's full state (m and v for all "
+                f"{len(SHAPES)} parameters) is {full:,} bytes.{_what_is_kept(k)} Under ZeRO-1 a rank keeps state "
+                f"only for the parameters it owns, about 1/{n} of it: at most {limit:,} bytes here (1/{n} of m, v and "
+                "a copy of the parameters, plus one largest parameter's).")
+    total = sum(rec.kept.in_state for rec in ranks)
     if total < full:
-        return (f"the state dicts of all ranks together hold {total:,} bytes, less than the {full:,} bytes of m and "
-                "v that Adam needs: keep each owned parameter's m and v in the state dict your function receives "
+        elsewhere = sum(rec.kept.outside for rec in ranks)
+        aside = f" ({elsewhere:,} bytes were kept outside it)" if elsewhere else ""
+        return (f"the state dicts of all ranks together hold {total:,} bytes{aside}, less than the {full:,} bytes of m "
+                "and v that Adam needs: keep each owned parameter's m and v in the state dict your function receives "
                 "(the checker weighs it).")
     return None
+
+
+def _what_is_kept(k: Kept) -> str:
+    """What the kept tensors' shapes and .grads say: state for every parameter, a flat copy of them all, gradients."""
+    per = min(sum(shape == s for shape in k.shapes) for s in SHAPES)
+    total = sum(math.prod(s) for s in SHAPES)
+    if per:
+        said = (f" It keeps {per} tensor{'s' * (per > 1)} shaped like each of the {len(SHAPES)} parameters: state "
+                "(or a copy) for every parameter, not only for its share.")
+    elif flat := max((math.prod(s) for s in k.shapes if math.prod(s) >= total), default=0):
+        said = f" It keeps a tensor of {flat} elements, as many as all {len(SHAPES)} parameters together ({total})."
+    else:
+        said = ""
+    if k.in_grads:
+        said += (f" {k.in_grads:,} of these bytes are gradients left in a tensor's .grad: set it to None once the "
+                 "step is done.")
+    return said
 
 
 def _traffic(ranks: list[Record]) -> str | None:
@@ -278,13 +391,14 @@ def _traffic(ranks: list[Record]) -> str | None:
 def summary(records: dict[int, list[Record]]) -> str:
     ref = reference()
     worst = max(max_abs(p, ref[s]) for ranks in records.values() for rec in ranks for s, p in enumerate(rec.params))
-    held = "; ".join(f"n={n}: {'/'.join(f'{rec.state_bytes:,}' for rec in ranks)}" for n, ranks in records.items())
+    held = "; ".join(f"n={n}: {'/'.join(f'{rec.kept.total:,}' for rec in ranks)}" for n, ranks in records.items())
     first = records[max(records)][0].calls[0]
     moved = sum(call.nbytes for call in first if call.op in SHARING)
     return (f"over {STEPS} Adam steps at world sizes {', '.join(map(str, records))}, every rank's parameters matched "
-            f"torch.optim.Adam on one process (largest difference {worst:.1g}). Optimizer state per rank, in bytes, "
-            f"of the full {2 * PARAM_BYTES:,}: {held}. At n={max(records)} rank 0's {ops_used(first)} carried "
-            f"{moved:,} bytes per step ({moved / PARAM_BYTES:.2f}× the parameters' {PARAM_BYTES:,} bytes).")
+            f"torch.optim.Adam on one process (largest difference {worst:.1g}). What each rank kept between steps "
+            f"(its state dict and any other tensor), in bytes, of Adam's full {2 * PARAM_BYTES:,}: {held}. At "
+            f"n={max(records)} rank 0's {ops_used(first)} carried {moved:,} bytes per step "
+            f"({moved / PARAM_BYTES:.2f}× the parameters' {PARAM_BYTES:,} bytes).")
 
 
 EXERCISE = Exercise("zero1_step", DESCRIPTION, on_rank, judge, summary, zero1_step, stub, hints=HINTS)
