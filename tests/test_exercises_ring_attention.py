@@ -257,6 +257,7 @@ def test_the_stub_fails_saying_what_to_write():
     feedback = check(EX.stub).feedback
     assert feedback.startswith("World size 2: rank ") and "raised NotImplementedError" in feedback
     assert "write ring attention: attend to your own K/V block" in feedback
+    assert "exercises.hint('ring_attention') when stuck" in feedback
 
 
 # Each wrong solution, the world size it is checked at, and the words its feedback must contain.

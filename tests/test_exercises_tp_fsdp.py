@@ -346,6 +346,7 @@ def test_the_reference_passes_at_world_sizes_2_and_4(module, verified):
 def test_the_stub_fails_saying_what_to_write(module, says):
     feedback = check(module, module.EXERCISE.stub).feedback
     assert feedback.startswith("World size 2: rank ") and "raised NotImplementedError" in feedback and says in feedback
+    assert f"exercises.hint('{module.EXERCISE.name}') when stuck" in feedback
 
 
 @pytest.mark.parametrize("module,fn", [

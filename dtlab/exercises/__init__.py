@@ -48,6 +48,8 @@ In course order:
 - ``gpipe_schedule``: GPipe's forwards and backwards of M micro-batches over pipeline stages.
 - ``tp_mlp``: a Megatron MLP pair split over the ranks, its communication in autograd Functions.
 - ``ring_attention``: attention over a sequence split across the ranks, K/V blocks passed in a ring.
+- ``moe_dispatch``: expert parallelism's token dispatch: each token to its expert's rank with an
+  all-to-all of uneven splits, and its output back (the combine).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from dtlab.exercises import (
     ddp_script,
     fsdp_unit,
     gpipe_schedule,
+    moe_dispatch,
     naive_ddp,
     ring_allreduce,
     ring_attention,
@@ -76,7 +79,7 @@ from dtlab.exercises._progress import Progress
 _EXERCISES: dict[str, Exercise | ScriptExercise] = {
     ex.name: ex for ex in (ring_allreduce.EXERCISE, naive_ddp.EXERCISE, bucketed_ddp.EXERCISE, zero1_step.EXERCISE,
                            fsdp_unit.EXERCISE, ddp_script.EXERCISE, gpipe_schedule.EXERCISE, tp_mlp.EXERCISE,
-                           ring_attention.EXERCISE)}
+                           ring_attention.EXERCISE, moe_dispatch.EXERCISE)}
 
 
 def _exercise(name: str) -> Exercise | ScriptExercise:

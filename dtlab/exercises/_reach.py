@@ -260,15 +260,20 @@ class Fingerprints:
     coincide, so those values present mean the tensor is there. Built once, asked at every line: it must be quick.
 
     ``shares(values)`` gives, per tensor, the share of its points present among ``values`` (``held_values``) in
-    any floating dtype: 1.0 when a rank holds it, or a copy, a transpose, a wider or narrower dtype of it."""
+    any floating dtype: 1.0 when a rank holds it, or a copy, a transpose, a wider or narrower dtype of it.
+
+    It keeps the tensors (and every copy it makes of their values) alive while it is used: freed, their memory
+    could come back in the learner's ``torch.empty`` with those values still in it, and be taken for a copy."""
 
     def __init__(self, tensors: list[torch.Tensor], points: int = 8) -> None:
-        picks = [t.detach().reshape(-1)[torch.linspace(0, t.numel() - 1, min(points, t.numel())).long()]
-                 for t in tensors]
+        self.tensors = [t.detach() for t in tensors]
+        self._flat = [t.reshape(-1) for t in self.tensors]  # a copy where t is not contiguous: kept too
+        picks = [f[torch.linspace(0, f.numel() - 1, min(points, f.numel())).long()] for f in self._flat]
+        self._picks = picks
         self.sizes = np.array([p.numel() for p in picks])
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.intp)
         self.flat = torch.cat(picks) if picks else torch.empty(0)
-        self._as: dict[torch.dtype, np.ndarray] = {}
+        self._as: dict[torch.dtype, tuple[torch.Tensor, np.ndarray]] = {}
 
     def shares(self, values: dict[torch.dtype, torch.Tensor]) -> np.ndarray:
         best = np.zeros(len(self.sizes))
@@ -278,9 +283,10 @@ class Fingerprints:
             known = np.sort(held.double().numpy())
             if not known.size:
                 continue
-            wanted = self._as.get(dtype)
-            if wanted is None:  # each tensor rounded to the dtype it is looked for in, as a copy in it would be
-                wanted = self._as[dtype] = self.flat.to(dtype).double().numpy()
+            if dtype not in self._as:  # each tensor rounded to the dtype it is looked for in, as a copy in it would be
+                rounded = self.flat.to(dtype)
+                self._as[dtype] = (rounded, rounded.double().numpy())
+            wanted = self._as[dtype][1]
             present = known[np.minimum(np.searchsorted(known, wanted), known.size - 1)] == wanted
             best = np.maximum(best, np.add.reduceat(present, self.starts) / np.maximum(self.sizes, 1))
         return best
@@ -352,7 +358,7 @@ class HeldWatch:
             name = frame.f_code.co_name
             moment = f"at line {frame.f_lineno} of {name}" if event == "line" else f"as {name} returned"
             try:
-                self.probe(reachable_tensors({**self._frame_roots(frame), **self.roots}), moment)
+                self.probe(reachable_tensors({**self._frame_roots(frame), **self.roots}, limit=5000), moment)
             except Exception as err:  # noqa: BLE001 - kept, and raised when the watch ends
                 self._error = err
                 return None

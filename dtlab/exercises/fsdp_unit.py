@@ -109,7 +109,7 @@ def stub(unit: FlatUnit, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
     raise NotImplementedError(
         "write the FSDP step: gather the whole flat parameter from every rank's unit.shard, run "
         "unit.forward(full, x), the loss and backward, give each rank its shard of the global batch's gradient, "
-        "and take an SGD step on unit.shard")
+        "and take an SGD step on unit.shard (exercises.hint('fsdp_unit') when stuck)")
 
 
 # -- the unit and what it watches --------------------------------------------------------------------------------

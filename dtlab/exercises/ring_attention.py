@@ -119,7 +119,7 @@ def stub(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError(
         "write ring attention: attend to your own K/V block, then n - 1 times pass the block you hold to rank r + 1 "
         "while receiving the next from rank r - 1, attend to it and merge it with what you have; return this "
-        "rank's block of the output, shaped like q")
+        "rank's block of the output, shaped like q (exercises.hint('ring_attention') when stuck)")
 
 
 # -- checking ----------------------------------------------------------------------------------------------------

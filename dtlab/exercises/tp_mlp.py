@@ -110,7 +110,7 @@ def stub(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, 
     raise NotImplementedError(
         "write the tensor-parallel MLP: compute with this rank's shards, and put the communication in "
         "torch.autograd.Function subclasses so that every rank returns the whole output and x.grad is the unsplit "
-        "MLP's")
+        "MLP's (exercises.hint('tp_mlp') when stuck)")
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------
