@@ -3,10 +3,12 @@ the hang diagnosis, torch's own analyser beside it, and the cross-check against 
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,8 +21,12 @@ from dtlab.core.config import RunConfig
 from dtlab.core.failures import CollectiveTimeout, RankFailure
 from dtlab.core.flight import read, read_all, torch_verdict
 from dtlab.core.flight_diagnosis import diagnose
+from dtlab.core.results import RankResult, save_flight
+from dtlab.launch import cluster, worker
 from dtlab.launch.contract import LaunchOptions, launch_error
+from dtlab.launch.flight import DIR_ENV
 from dtlab.launch.torchrun import launch_torchrun
+from dtlab.launch.workdir import result_path
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
 T0 = 1_800_000_000.0  # a wall-clock second for the synthetic dumps
@@ -139,6 +145,20 @@ def test_a_failed_cli_run_keeps_the_dumps_and_says_what_they_show(tmp_path, monk
     assert code == 1 and "Flight Recorder (dtlab): rank 1 never issued all_reduce #2" in err
     assert "Not all ranks joining collective" in err
     assert diagnose(str(tmp_path / "flight_recorder")).kind == "stuck"
+
+
+def test_a_cluster_job_asks_its_workers_for_dumps_and_collect_reads_them(tmp_path, monkeypatch):
+    cfg = RunConfig(tier="ddp", world_size=2, flight_recorder=True)
+    plan = cluster.plan(cfg, nnodes=2, nproc_per_node=1, master_addr="127.0.0.1", workdir=tmp_path / "w")
+    cluster.write(plan)
+    for name in (DIR_ENV, "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # and put back as it was afterwards
+    worker._load(plan.workdir)  # what each worker does first, before its process group starts
+    assert os.environ[DIR_ENV] == str(plan.workdir / "flight_recorder") and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    for r in range(2):
+        result_path(plan.workdir, r).write_bytes(cloudpickle.dumps(RankResult(r, [], {}, [], [], 0.0)))
+    save_flight(CASES["stuck"][0], plan.workdir)
+    assert cluster.collect(plan.workdir).flight == CASES["stuck"][0]
 
 
 # -- launching ------------------------------------------------------------------------------------------------------

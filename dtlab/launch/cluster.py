@@ -23,7 +23,8 @@ from pathlib import Path
 
 from dtlab.core import events
 from dtlab.core.config import RunConfig
-from dtlab.core.results import RunResult, atomic_write
+from dtlab.core.flight import dump_files
+from dtlab.core.results import FLIGHT_DIR, RunResult, atomic_write
 from dtlab.launch import workdir as workdir_files
 from dtlab.launch.torchrun import load_results, result_paths, torchrun_command
 
@@ -238,7 +239,8 @@ def collect(workdir: str | os.PathLike[str]) -> RunResult:
     # No launcher timed the run: it lasted from the first worker's start to the last one's finish.
     times = [e["time"] for e in run_events if e.get("kind") in ("worker_start", "worker_finish")]
     wall_s = max(times) - min(times) if times else 0.0
-    return RunResult(cfg, load_results(paths[r] for r in range(cfg.world_size)), wall_s, {}, run_events)
+    flight = {r: p.read_bytes() for r, p in dump_files(work / FLIGHT_DIR).items()}  # with cfg.flight_recorder
+    return RunResult(cfg, load_results(paths[r] for r in range(cfg.world_size)), wall_s, {}, run_events, flight)
 
 
 def _missing(work: Path, missing: list[int], world: int) -> str:

@@ -30,7 +30,7 @@ from dtlab.core import progress
 from dtlab.core.config import resolve_import_path
 from dtlab.core.env import DistInfo
 from dtlab.core.events import WORKDIR_ENV, emit
-from dtlab.core.results import atomic_write
+from dtlab.core.results import FLIGHT_DIR, atomic_write
 from dtlab.launch import flight
 from dtlab.launch.contract import RankOptions
 from dtlab.launch.rank import call_recorded
@@ -47,6 +47,8 @@ def _load(workdir: Path) -> tuple[Any, tuple, RankOptions]:
     if (workdir / CONFIG).exists():
         train = resolve_import_path(TRAIN_ENTRY)
         cfg = read_config(workdir)
+        if cfg.flight_recorder:  # a cluster's ranks leave their Flight Recorder dumps in WORKDIR
+            os.environ.update(flight.rank_env(workdir / FLIGHT_DIR))
         # A config.json run is a cluster's: gloo takes the interface the host name resolves to
         # (or GLOO_SOCKET_IFNAME), never loopback.
         return train, (cfg,), RankOptions(cfg.backend, cfg.device, cfg.timeout_s, gloo_ifname=None)
