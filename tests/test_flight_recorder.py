@@ -232,6 +232,24 @@ def test_torchrun_workers_leave_their_dumps_too():
                for d in dumps.values())
 
 
+def _rank1_busy(info: Any) -> None:
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if info.rank == 1:
+        time.sleep(60)  # torchrun's agent stops it (SIGTERM) once rank 0 has failed: it dumps first
+    dist.all_reduce(t)
+
+
+@launches_ranks
+def test_a_hung_torchrun_job_leaves_every_ranks_dump():
+    with pytest.raises(CollectiveTimeout) as caught:
+        launch_torchrun(_rank1_busy, 2, timeout_s=3, progress=False, flight_recorder=True)
+    dumps = read_all(caught.value.flight)
+    assert dumps[0].reason == "error" and dumps[1].reason in ("terminated", "request")
+    found = diagnose(dumps)
+    assert (found.kind, found.rank, found.op, found.seq) == ("stuck", 1, "all_reduce", 2), found.text
+
+
 CROSSCHECK = {
     "ddp": RunConfig(tier="ddp", world_size=2, steps=2, flight_recorder=True),
     "fsdp": RunConfig(tier="fsdp", world_size=2, steps=2, flight_recorder=True),
