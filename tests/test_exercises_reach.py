@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,7 +138,8 @@ def test_fingerprints_find_a_tensor_in_any_dtype_and_layout_and_nothing_else():
     prints = Fingerprints(blocks)
     held = [blocks[0].transpose(-2, -1).contiguous(), blocks[1].double(), blocks[2].half(), torch.randn(500)]
     shares = prints.shares(held_values([Found(str(i), t) for i, t in enumerate(held)]))
-    assert list(shares[:3]) == [1.0, 1.0, 1.0] and shares[3] == 0.0
+    # rounded to float16 two random values may meet, one point in eight; a whole tensor's eight points do not
+    assert list(shares[:3]) == [1.0, 1.0, 1.0] and shares[3] < 0.5
     kept_half = blocks[3].reshape(-1)[:48].clone()  # part of a block is part of it
     assert 0 < prints.shares(held_values([Found("half", kept_half)]))[3] < 1
     view = blocks[3][0, :1]  # a small view holds its whole storage, so all of the block
@@ -184,6 +184,19 @@ def test_the_watch_sees_what_the_learner_holds_at_every_line_and_as_it_returns()
     assert any(m.startswith("at line ") and m.endswith(" of learner") for m in moments)
 
 
+def test_inside_the_watch_a_new_buffer_shows_no_freed_values_and_the_mode_is_restored_after():
+    freed = torch.randn(1000)
+    del freed
+
+    def learner():
+        return torch.empty(1000)
+
+    with HeldWatch(lambda found, moment: None, learner):
+        fresh = learner()
+    assert bool(fresh.isnan().all())  # not the values of the tensor freed just before
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_failing_probe_is_raised_when_the_watch_ends():
     def probe(found, moment):
         raise KeyError("broken")
@@ -203,6 +216,7 @@ def test_a_result_off_by_the_world_size_is_named():
     assert scale_factor(ref, torch.zeros(4, 3), 1e-6) is None and scale_factor(ref, ref[:2], 1e-6) is None
 
 
+@pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")
 def test_torch_call_names_the_distributed_function_an_error_came_from_and_its_arguments():
     out, shard = torch.empty(113), torch.empty(57)
     with pytest.raises(Exception) as info:
@@ -210,4 +224,3 @@ def test_torch_call_names_the_distributed_function_an_error_came_from_and_its_ar
     op, args = torch_call(info.value)
     assert op == "all_gather_into_tensor" and args["output_tensor"] is out and args["input_tensor"] is shard
     assert torch_call(ValueError("not from torch")) is None
-    assert isinstance(np.zeros(1), np.ndarray)

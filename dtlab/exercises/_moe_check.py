@@ -107,7 +107,9 @@ def _token_calls(r: int, n: int, case: int, rec: Record) -> str | None:
     name = CASES[case]
     if len(carrying) < 2:
         what = "none of them" if not carrying else "only one, the tokens going out"
-        return (f"rank {r} made {ops_used(calls)} with {name}, and {what} carried rows of {WIDTH} values: the tokens "
+        made = f"made {ops_used(calls)} with {name}, and {what} carried" if calls else (
+            f"made no all_to_all_single with {name}, so none carried")
+        return (f"rank {r} {made} rows of {WIDTH} values: the tokens "
                 "go out in one all_to_all_single (the dispatch) and their outputs come back in another, with the "
                 "split sizes reversed (the combine), before they go back to their tokens' places.")
     if len(carrying) > 2:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.deterministic
 from torch.autograd.graph import Node
 
 _LIBRARIES = tuple(sorted({os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
@@ -325,6 +326,10 @@ class HeldWatch:
     Lines are the finest moments Python offers: the line that issues a transfer and the one after it returns,
     the one after a wait. It traces only the learner's frames (``is_learner_code``); torch's run untraced.
     A probe that raises ends the tracing, and the error is raised again when the block ends.
+
+    Inside, ``torch.empty`` and its kin fill what they return with NaN (torch's deterministic mode, warnings
+    only): the allocator hands back freed memory as it was, so a buffer not yet written would otherwise show
+    the values of whatever was freed before -- a block the learner let go, taken for one it still holds.
     """
 
     def __init__(self, probe: Callable[[list[Found], str], None], fn: Any) -> None:
@@ -332,16 +337,25 @@ class HeldWatch:
         count_as_learner(fn)
         self._base: types.FrameType | None = None
         self._previous: Any = None
+        self._determinism: tuple[bool, bool, bool] = (False, False, True)
         self._error: BaseException | None = None
 
     def __enter__(self) -> HeldWatch:
         self._base = sys._getframe(1)
         self._previous = sys.gettrace()
+        self._determinism = (torch.are_deterministic_algorithms_enabled(),
+                             torch.is_deterministic_algorithms_warn_only_enabled(),
+                             torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
         sys.settrace(self._on_call)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         sys.settrace(self._previous)
+        enabled, warn_only, fill = self._determinism
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
         self._base = None
         if self._error is not None and exc[0] is None:
             raise RuntimeError(f"the held-tensor probe failed: {self._error!r}") from self._error
