@@ -18,6 +18,8 @@ from dtlab.core.flight import Dump, dump_files, read_all, torch_verdict
 from dtlab.core.flight_diagnosis import Diagnosis, diagnose
 from dtlab.core.results import save_flight
 
+_WHEN = {"end": "at its end", "error": "when it raised", "request": "on the launcher's request",
+         "terminated": "when torchrun's agent stopped it"}
 COLUMNS = ("rank", "group", "group_desc", "seq", "op", "input_sizes", "output_sizes", "dtype", "bytes", "retired",
            "state", "created_s", "where")
 
@@ -57,11 +59,13 @@ def diagnosis(source: Any) -> Diagnosis:
 def report(source: Any) -> str:
     """dtlab's diagnosis, each rank's last collective, and torch's ``fr_trace`` verdict, as text."""
     dumps = _dumps(source)
-    lines = [f"Flight Recorder (dtlab): {diagnose(dumps)}", "last collective per rank:"]
+    lines = [f"Flight Recorder (dtlab): {diagnose(dumps)}", "last collective issued per rank:"]
     for rank, d in dumps.items():
         last = d.last()
-        state = "no collective" if last is None else f"{last.label()}, {'finished' if last.retired else 'pending'}"
-        lines.append(f"  rank {rank}: {state} (dump taken at {d.reason or 'an unknown point'})")
+        # not "finished"/"pending": gloo marks a collective that timed out as retired too (see dtlab.core.flight)
+        ago = f", {d.dumped_s - last.created_s:.1f} s before its dump" if last is not None and d.dumped_s else ""
+        state = "no collective" if last is None else f"{last.label()}{ago}"
+        lines.append(f"  rank {rank}: {state} (dumped {_WHEN.get(d.reason, 'at a point not recorded')})")
     raw = getattr(source, "flight", source)
     if isinstance(raw, str | os.PathLike):
         raw = {r: p.read_bytes() for r, p in dump_files(raw).items()}

@@ -244,8 +244,10 @@ def process_groups() -> dict[str, dict[str, str]]:
 
     try:
         world = c10d._world
+        # A copy first: a dump on request runs in its own thread while the main thread may be making groups.
         return {str(name): {"name": str(name), "desc": str(getattr(pg, "group_desc", "") or ""),
-                            "ranks": str(sorted(world.pg_group_ranks[pg]))} for pg, name in world.pg_names.items()}
+                            "ranks": str(sorted(world.pg_group_ranks.get(pg, {})))}
+                for pg, name in list(world.pg_names.items())}
     except (AttributeError, KeyError) as exc:
         raise _missing("torch.distributed.distributed_c10d._world (pg_names, pg_group_ranks)", exc) from None
 

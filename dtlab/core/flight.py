@@ -10,7 +10,8 @@ What gloo records on torch 2.13 (checked here): every collective issued through 
 issued it -- ``torch.distributed``'s functions, DDP's C++ reducer and constructor, functional collectives --
 but no point-to-point op (send, recv, their batched form): those advance ``op_id`` and leave no entry.
 ``state`` stays "scheduled" (gloo gives Flight Recorder no start or end event, so the ``discovered`` times
-stay 0); ``retired`` says whether the work finished, and an op that timed out stays unretired.
+stay 0); ``retired`` says the work ended -- a collective that timed out may read either way (its work ends
+with the error, racing the rank's own wait) -- so only matching the ranks' entries tells a hang apart.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Entry:
     input_sizes: tuple[tuple[int, ...], ...]
     output_sizes: tuple[tuple[int, ...], ...]
     dtype: str  # the first input's (or output's) dtype, as c10 names it ("Float")
-    retired: bool  # the work finished (completed or failed); False: still pending when the dump was taken
+    retired: bool  # the work ended (completed, or failed: a timed-out one may read either way); False: pending
     state: str  # Flight Recorder's state ("scheduled" on gloo, which never advances it)
     created_s: float  # when it was issued (wall clock, seconds)
     p2p_seq: int = 0

@@ -13,7 +13,8 @@ point in every group, takes the one that happened first (the others wait on it),
 - ``stuck``: a member never issued #N and has issued nothing since its last collective, which completed long
   before its dump: it is busy outside torch.distributed (computing, loading, waiting on something else);
 - ``missing``: a member never issued #N, for none of the reasons above; ``no_dump``: a member left no dump;
-- ``incomplete``: every member issued the same #N, and it did not finish (a transport or peer failure);
+- ``incomplete``: every member issued the same #N, and it is still pending in a dump (a transport or peer
+  failure);
 - ``none``: every collective in the dumps matched on every member.
 
 Which rank is named: the lowest rank of the majority is the reference (with two ranks, rank 0); the named
@@ -182,7 +183,7 @@ def _pending(dumps: Mapping[int, Dump]) -> Diagnosis:
     if not stuck:
         n = sum(len(d.entries) for d in dumps.values())
         return Diagnosis("none", text=f"every collective in the dumps ({n} entries) was issued by every member of "
-                                      "its group, in the same order, and finished.")
+                                      "its group, in the same order: nothing in them shows a program bug.")
     e = min(stuck, key=lambda e: e.created_s)
     text = (f"every member issued {e.label()} ({e.shape()}), and it did not finish on rank {e.rank}: not a "
             f"program bug -- a transport or peer failure (see the ranks' errors).")
