@@ -265,6 +265,20 @@ def fsdp_keeping_a_clone(unit, x, y, lr):
     unit.cache = {"full": full.detach().clone()}  # other storage, the same bytes
 
 
+def fsdp_keeping_a_half_copy(unit, x, y, lr):
+    full = _gather(unit)
+    _step(unit, x, y, lr, full)
+    unit.small = full.detach().half()  # half the bytes, every value
+
+
+def fsdp_keeping_the_other_half_in_pieces(unit, x, y, lr):
+    full = _gather(unit)
+    _step(unit, x, y, lr, full)
+    rest = full.detach()[unit.shard.numel():].clone()  # at n = 2: rank 1's part, in three small tensors
+    unit.pieces = list(rest.chunk(3))
+    unit.pieces = [p.clone() for p in unit.pieces]
+
+
 def fsdp_keeping_the_loss(unit, x, y, lr):
     unit.loss = _step(unit, x, y, lr, _gather(unit))  # its graph holds the gathered parameter
 
@@ -398,6 +412,10 @@ WRONG = {
                                                  "last[…]"],
         fsdp_keeping_a_clone: ["still holds a copy of the whole flat parameter (456 bytes) in unit.cache['full']"],
         fsdp_keeping_the_loss: ["(456 bytes) in unit.loss (through its autograd graph)"],
+        fsdp_keeping_a_half_copy: ["still holds the values of rank 1's part of the whole flat parameter (a copy) (228 "
+                                   "bytes) in unit.small"],
+        fsdp_keeping_the_other_half_in_pieces: ["still holds the values of rank 1's part of the whole flat parameter "
+                                                "(a copy)", "in unit.pieces[…]"],
         fsdp_keeping_it_in_torch: ["still holds the whole flat parameter (a tensor over the storage of full itself) "
                                    "(456 bytes) in a tensor alive outside the unit and what fn refers to"],
         fsdp_without_padding: ["World size 2: rank 0's all_gather_into_tensor failed in step 0: its output (the "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,27 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.exercises._check import (
-    Call,
-    Exercise,
-    ExerciseError,
-    call_learner,
-    ceil_div,
-    max_abs,
-    recorder_now,
-    sgd_reference,
-    torch_call,
-)
-from dtlab.exercises._reach import (
-    Fingerprints,
-    Found,
-    held_values,
-    places,
-    reachable_tensors,
-    storage_bytes,
-    storage_key,
-    tensors_made,
-)
+from dtlab.exercises._check import Call, Exercise, ExerciseError, call_learner, ceil_div, max_abs, sgd_reference
+from dtlab.exercises._fsdp_kept import GATHERS, SCATTERS, Seen, kept_whole, padding_problem
+from dtlab.exercises._reach import places, tensors_made
 
 GLOBAL_BATCH = 24  # divisible by 2 and 4: every rank gets an equal part
 FEATURES, WIDTH, CLASSES = 7, 10, 3  # 113 parameters, a prime: padded at every world size
@@ -56,8 +37,6 @@ WORLD_SIZES = (2, 4)
 STEPS = 4
 LR = 0.5
 TOL = 1e-5
-GATHERS = frozenset({"all_gather", "all_gather_into_tensor"})
-SCATTERS = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
 
 DESCRIPTION = (
     "Write fn(unit, x: torch.Tensor, y: torch.Tensor, lr: float) -> float: one plain-SGD training step of one FSDP "
@@ -123,7 +102,7 @@ class FlatUnit:
         size = self.padded_numel // world_size
         padded = torch.cat([initial(), torch.zeros(self.padded_numel - NUMEL)])
         self.shard = padded[rank * size:(rank + 1) * size].clone()
-        self._seen = _Seen()
+        self._seen = Seen(NUMEL)
 
     def forward(self, full: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The logits of the MLP whose flat parameter is ``full`` (padded; it must require grad)."""
@@ -139,96 +118,6 @@ class FlatUnit:
         full.register_hook(self._seen.gradient)
         w1, b1, w2, b2 = (p.view(s) for p, s in zip(full[:NUMEL].split([math.prod(s) for s in SHAPES]), SHAPES))
         return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
-
-
-class _Seen:
-    """What the checker notes in one step: when forward ran and its gradient arrived, and the whole parameter and
-    gradient (copies, and their storages), to name what a rank kept. The walk that looks for kept tensors skips
-    this object: these copies are the checker's."""
-
-    def __init__(self) -> None:
-        self.forwards: list[float] = []
-        self.grad_at: float | None = None
-        self.copies: dict[str, torch.Tensor] = {}  # "param", "grad": the values of this step's
-        self.storages: dict[int, str] = {}  # storage key: "param" or "grad"
-
-    def forward(self, full: torch.Tensor) -> None:
-        self.forwards.append(recorder_now())
-        self.copies["param"] = full.detach()[:NUMEL].clone()
-        self.storages[storage_key(full)] = "param"
-
-    def gradient(self, grad: torch.Tensor) -> None:
-        self.grad_at = recorder_now()
-        self.copies["grad"] = grad.detach()[:NUMEL].clone()
-        self.storages[storage_key(grad)] = "grad"
-
-
-_WHAT = {"param": "the whole flat parameter", "grad": "the whole flat gradient"}
-
-
-def kept_whole(unit: FlatUnit, fn: Any,
-               made: Callable[[frozenset[int]], list[torch.Tensor]]) -> tuple[tuple[str, str, int], ...]:
-    """What a step left alive that holds the whole parameter's bytes or more: (where, what it is, its bytes).
-
-    By storage, not by object: ``full.detach()``, ``full.data`` and views are other objects over full's
-    storage, a clone is other storage of the same size. First what the learner's code can reach -- the unit,
-    the globals and closure cells fn uses, and through them lists, dicts, objects and autograd graphs -- then
-    any tensor made since the first step that is still alive anywhere (``made``, from ``tensors_made``: a
-    module attribute of torch's, say), but the checker's own copies."""
-    whole, seen = 4 * NUMEL, unit._seen
-    found = [f for f in reachable_tensors({"unit": unit, "fn": fn}, skip=frozenset({id(seen)}))
-             if storage_bytes(f.tensor) >= whole]
-    if not found:
-        own = frozenset(id(t) for t in seen.copies.values())
-        found = [Found("a tensor alive outside the unit and what fn refers to (e.g. another module's attribute)",
-                       t) for t in made(own) if storage_bytes(t) >= whole]
-    kept, storages = [], set()
-    for f in found:
-        if storage_key(f.tensor) not in storages:
-            storages.add(storage_key(f.tensor))
-            kept.append((f.where, _what(f.tensor, seen), storage_bytes(f.tensor)))
-    return tuple(kept)
-
-
-def _what(t: torch.Tensor, seen: _Seen) -> str:
-    kind = seen.storages.get(storage_key(t))
-    if kind is not None:
-        return f"{_WHAT[kind]} (a tensor over the storage of {'full' if kind == 'param' else 'full.grad'} itself)"
-    names = list(seen.copies)
-    shares = Fingerprints([seen.copies[k] for k in names]).shares(held_values([Found("", t)])) if names else []
-    copied = [k for k, share in zip(names, shares) if share > 0.99]
-    if copied:
-        return f"a copy of {_WHAT[copied[0]]}"
-    return "a tensor of the whole parameter's size"
-
-
-def _padding(exc: BaseException, unit: FlatUnit, rank: int, n: int, step: int) -> str | None:
-    """When a collective failed on sizes that are not n shards of the padded parameter: say so."""
-    call = torch_call(exc)
-    if call is None or call[0] not in GATHERS | SCATTERS:
-        return None
-    op, args = call
-    gather = op in GATHERS
-    names = ("output_tensor", "tensor_list", "input_tensor", "tensor") if gather else ("input", "input_list",
-                                                                                          "output", "output")
-    whole, part = (next((args[k] for k in names[i:i + 2] if args.get(k) is not None), None) for i in (0, 2))
-    whole_n, part_n = _numel(whole), _numel(part)
-    if whole_n is None or part_n is None or whole_n == n * part_n == unit.padded_numel:
-        return None
-    what = "output (the whole parameter)" if gather else "input (the whole gradient)"
-    return (f"rank {rank}'s {op} failed in step {step}: its {what} has {whole_n} elements where n × the shard's "
-            f"{part_n} = {n * part_n} fit. The flat parameter is padded to a multiple of the world size: "
-            f"unit.padded_numel = {unit.padded_numel} elements at n = {n}, not unit.numel = {NUMEL} -- gather into "
-            "(and reduce-scatter from) a tensor of unit.padded_numel elements, each rank's shard "
-            f"unit.padded_numel / n = {unit.padded_numel // n}.")
-
-
-def _numel(t: Any) -> int | None:
-    if isinstance(t, torch.Tensor):
-        return t.numel()
-    if isinstance(t, list | tuple) and all(isinstance(x, torch.Tensor) for x in t):
-        return sum(x.numel() for x in t)
-    return None
 
 
 # -- the run both sides share ------------------------------------------------------------------------------------
@@ -274,19 +163,20 @@ def on_rank(info: Any, fn: Any) -> list[Step]:
     unit, steps = FlatUnit(info.rank, info.world_size), []
     with tensors_made() as made:  # what a step keeps is what it made and left alive
         for s in range(STEPS):
-            unit._seen = _Seen()
+            unit._seen = Seen(NUMEL)
             x, y = (t.clone() for t in _batch(s, info.rank, info.world_size))  # not views of the whole batch
             try:
                 value, calls = call_learner(fn, unit, x, y, LR, where=f"in step {s}")
             except ExerciseError as err:
-                padding = _padding(err.__cause__ or err, unit, info.rank, info.world_size, s)
+                padding = padding_problem(err.__cause__ or err, unit, info.rank, info.world_size, s)
                 if padding is None:
                     raise
                 raise ExerciseError(padding) from err
             del value  # a loss tensor would keep its graph, and with it the full parameter, alive
             shard = unit.shard.detach().reshape(-1).clone() if isinstance(unit.shard, torch.Tensor) else torch.empty(0)
-            seen = unit._seen
-            steps.append(Step(shard, calls, tuple(seen.forwards), seen.grad_at, kept_whole(unit, fn, made)))
+            seen = unit._seen  # (the last step's notes go now: its copies are not this step's)
+            kept = kept_whole(unit, fn, made, info.rank, info.world_size)
+            steps.append(Step(shard, calls, tuple(seen.forwards), seen.grad_at, kept))
     return steps
 
 
@@ -365,11 +255,11 @@ def _kept(s: int, n: int, steps: list[Step]) -> str | None:
         if not st.kept:
             continue
         what = "; ".join(f"{label} ({nbytes:,} bytes) in {places([where])}" for where, label, nbytes in st.kept[:3])
-        return (f"after step {s} rank {r} still holds {what}: more than its shard's {shard_bytes:,} bytes, so the "
-                "full parameter is kept between steps. An FSDP unit keeps only its shard between steps -- that is "
-                "its memory saving. Let the whole parameter and its gradient go when the step ends: keep no "
-                "reference to them, to a view, .detach() or .data of them (those share their storage), to a copy, "
-                "nor to a loss whose graph reaches them; or free a buffer you keep as FSDP does: "
+        return (f"after step {s} rank {r} still holds {what}: the full parameter is kept between steps. An FSDP "
+                f"unit keeps only its shard ({shard_bytes:,} bytes here) between steps -- that is its memory saving. "
+                "Let the whole parameter and its gradient go when the step ends: keep no reference to them, to a "
+                "view, .detach() or .data of them (those share their storage), to a copy of any part of them but "
+                "your shard, nor to a loss whose graph reaches them; or free a buffer you keep as FSDP does: "
                 "t.untyped_storage().resize_(0).")
     return None
 
