@@ -22,6 +22,7 @@ constructor, torch.save and barrier, and judges the files the script writes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -66,9 +67,11 @@ DESCRIPTION = (
     "a JSON list to os.path.join(out, f'indices_rank{rank}_epoch{epoch}.json'). After training, rank 0 alone saves "
     f"the trained model's state_dict (the keys {', '.join(KEYS)}) to os.path.join(out, 'model.pt'), and no rank "
     "goes on before the file is written. Checked at world size 2 (a script running past 30 + 6 × timeout_s "
-    "seconds is stopped): the script ends without error on every rank, which joined as ranks 0 and 1 of 2; in "
-    f"each epoch the ranks' indices are disjoint and cover all {SAMPLES} samples, and each epoch's order differs "
-    "from the one before; every rank built a DistributedDataParallel; only rank 0 saved model.pt, and every rank "
+    "seconds is stopped): the script ends without error on every rank, which joined as ranks 0 and 1 of 2; "
+    "each rank's model trained on exactly the samples it wrote, in that order (the check sees the rows of x that "
+    f"reach its first layer); in each epoch the ranks' indices are disjoint and cover all {SAMPLES} samples, and "
+    "each epoch's order differs from the one before; every rank built a DistributedDataParallel and trained "
+    "through it; only rank 0 saved model.pt, and every rank "
     "waited at a barrier until it had; and the saved parameters match one process training the same model on the "
     f"same global batches (within {TOL:g})."
 )
@@ -262,12 +265,47 @@ def _shares(n: int, indices: dict[tuple[int, int], list[int]]) -> str | None:
     return None
 
 
+def _trained(n: int, notes: dict[int, list[dict[str, Any]]], indices: dict[tuple[int, int], list[int]]) -> str | None:
+    """The samples each rank's model trained on (seen by the probe at its first layer) against what it wrote."""
+    for r in range(n):
+        trained = [i for x in notes[r] if x.get("call") == "batch" for i in x.get("indices", [])]
+        written = [i for e in range(EPOCHS) for i in indices[r, e]]
+        if not trained:
+            return (f"rank {r}'s model never trained on data.pt's samples: no row of its x reached the model's first "
+                    "layer while gradients were on. Train on TensorDataset(data['x'], data['y']).")
+        if -1 in trained:
+            return (f"rank {r}'s model got inputs that are not rows of data.pt's x: train on the samples as they "
+                    "are.")
+        if n > 1 and sorted(trained) == sorted(list(range(SAMPLES)) * EPOCHS):
+            wrote = f", although it wrote only {len(written)} indices" if len(written) < len(trained) else ""
+            return (f"rank {r}'s model trained on all {SAMPLES} samples in every epoch{wrote}: give the DataLoader "
+                    f"the DistributedSampler (DataLoader(dataset, batch_size={BATCH}, sampler=sampler)), so that "
+                    f"each rank trains on its own 1/{n} of them.")
+        if trained != written:
+            k = next((k for k, (a, b) in enumerate(zip(trained, written)) if a != b), min(len(trained), len(written)))
+            ends = list(itertools.accumulate(len(indices[r, e]) for e in range(EPOCHS)))
+            epoch = next((e for e, end in enumerate(ends) if k < end), EPOCHS - 1)
+            return (f"rank {r}'s model trained on other samples than it wrote to its indices files ({len(trained)} "
+                    f"trained, {len(written)} written): at position {k} (epoch {epoch}) {_sample(trained, k)} went "
+                    f"through the model where the file says {_sample(written, k)}. Write list(sampler) of the "
+                    "sampler the DataLoader draws from, after sampler.set_epoch(epoch).")
+    return None
+
+
+def _sample(seq: list[int], k: int) -> str:
+    return f"sample {seq[k]}" if k < len(seq) else "nothing"
+
+
 def _ddp(notes: dict[int, list[dict[str, Any]]]) -> str | None:
     for r, rank_notes in notes.items():
         if not any(x.get("call") == "ddp" for x in rank_notes):
             return (f"rank {r} never built a DistributedDataParallel: wrap the model, model = "
                     "DistributedDataParallel(model), so that it starts from rank 0's parameters on every rank and "
                     "backward averages the gradients over the ranks.")
+        if not any(x.get("call") == "ddp_forward" for x in rank_notes):
+            return (f"rank {r} built a DistributedDataParallel but never ran a forward pass through it: train the "
+                    "wrapper (model(x), with model the DistributedDataParallel), not the module inside it, or "
+                    "backward does not average the gradients over the ranks.")
     return None
 
 
@@ -330,7 +368,7 @@ def check_at(script: Path, n: int, timeout_s: float) -> tuple[str | None, float]
         if problem := _joined(n, notes):
             return problem, math.inf
         problem, indices = _indices(n, out)
-        if problem := problem or _shares(n, indices) or _ddp(notes) or _saved(n, notes):
+        if problem := problem or _trained(n, notes, indices) or _shares(n, indices) or _ddp(notes) or _saved(n, notes):
             return problem, math.inf
         return _parity(out, indices, n)
 
@@ -346,10 +384,10 @@ def run(script: Path, world_sizes: Sequence[int], timeout_s: float) -> CheckResu
     return CheckResult(NAME, True, (
         f"at {sizes} torchrun ran the script without error on every rank, and each rank joined with its "
         f"own rank. In each of the {EPOCHS} epochs the ranks trained on disjoint shares that covered the "
-        f"{SAMPLES} samples, in a new order every epoch (set_epoch); every rank trained through "
-        "DistributedDataParallel; rank 0 alone saved model.pt and every rank waited at a barrier until it had; the "
-        "saved parameters matched one process training on the same global batches (largest difference "
-        f"{max(worst.values()):.1g})."))
+        f"{SAMPLES} samples, in a new order every epoch (set_epoch), and each rank's model trained on exactly the "
+        "samples it wrote; every rank trained through DistributedDataParallel; rank 0 alone saved model.pt and "
+        "every rank waited at a barrier until it had; the saved parameters matched one process training on the "
+        f"same global batches (largest difference {max(worst.values()):.1g})."))
 
 
 EXERCISE = ScriptExercise(NAME, DESCRIPTION, run, str(REFERENCE), str(STARTER), world_sizes=(2,),
