@@ -1,9 +1,8 @@
 """What the CommRecorder costs: timings with and without it, interleaved. Target: at most 2 % slower.
 
 (a) Collective loops at world size 2 in one launch: per round, the ranks time
-    the same work with the recorder off (c10d's functions not even wrapped:
-    ``dtlab.instrument.recorder.uninstall()``) and on (a fresh
-    ``CommRecorder``): DDP-style gradient buckets (25 MB in 4 buckets, issued
+    the same work with the recorder off (no recorder started, so none of its
+    dispatcher kernels is registered) and on (a fresh ``CommRecorder``): DDP-style gradient buckets (25 MB in 4 buckets, issued
     async and waited through their futures, as DDP's comm hook does), many
     small 4 KB all-reduces (where a per-call cost shows most), and FSDP2-style
     units (per unit, synchronous as FSDP2 runs them on CPU: an all-gather for
@@ -88,8 +87,7 @@ def collectives_rank(info, sizes: dict, rounds: int, warmup_rounds: int) -> list
         recorder = None
         if mode == "instrumented":
             recorder = instrument.CommRecorder(info.rank).start()
-        else:
-            instrument.uninstall()  # the plain case: torch.distributed exactly as torch ships it
+        # otherwise no recorder runs and its kernels are not registered: torch.distributed as torch ships it
         dist.barrier()
         t0 = time.perf_counter()
         loop()

@@ -84,16 +84,15 @@ def _functional_all_to_all(info):
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    from dtlab.instrument.functional import FunctionalRecorder
-    from dtlab.instrument.recorder import CommRecorder
+    from dtlab.instrument import active
 
     sent = [[1, 2], [3, 1]][info.rank]
     received = [[1, 3], [2, 1]][info.rank]
-    recorder = CommRecorder(info.rank)
-    with FunctionalRecorder(recorder):
-        x = torch.ones(sum(sent), 4, requires_grad=True)
-        all_to_all_single_autograd(x, received, sent, dist.group.WORLD).sum().backward()
-    return recorder.rows()
+    recorder = active()
+    before = len(recorder.events)
+    x = torch.ones(sum(sent), 4, requires_grad=True)
+    all_to_all_single_autograd(x, received, sent, dist.group.WORLD).sum().backward()
+    return [ev.row() for ev in recorder.events[before:]]
 
 
 def test_functional_all_to_alls_are_recorded_with_their_splits_too():

@@ -8,8 +8,7 @@ import torch
 
 from dtlab import plots
 from dtlab.analysis import ft as ft_runs
-from dtlab.instrument.pg_methods import record_methods
-from dtlab.instrument.recorder import CommRecorder
+from dtlab.instrument.recorder import CommRecorder, active, tag_methods
 
 from .test_plots import assert_png
 
@@ -68,38 +67,22 @@ def test_the_replica_timeline_and_loss_against_time_draw(tmp_path):
         plots.loss_vs_time({"x": curve.drop(columns="time_s")})
 
 
-class _Work:
-    def __init__(self) -> None:
-        self.fut = torch.futures.Future()
-
-    def get_future(self):
-        return self.fut
-
-
 class _Group:
-    """Stands in for torchft's process group: methods, not torch.distributed functions."""
-
-    def size(self) -> int:
-        return 3
+    """Stands in for torchft's process group: calls reach c10d through methods of its own."""
 
     def allreduce(self, tensors, opts):
-        return _Work()
+        return active().tag if active() is not None else None
 
     def send(self, tensors, dst, tag):
-        return _Work()
+        return active().tag if active() is not None else None
 
 
-def test_a_process_groups_own_methods_are_recorded_with_their_tag():
+def test_a_process_groups_own_methods_tag_their_calls():
     pg = _Group()
-    record_methods(pg, "ft_cross_replica", ("allreduce",))
-    record_methods(pg, "ft_recovery", ("send",))
-    record_methods(pg, "ft_cross_replica", ("allreduce",))  # twice: still one event per call
+    tag_methods(pg, {"allreduce": "ft_cross_replica", "send": "ft_recovery"})
+    tag_methods(pg, {"allreduce": "ft_cross_replica"})  # twice: wrapped once
     with CommRecorder(0) as rec:
-        work = pg.allreduce([torch.ones(10)], None)
-        pg.send([torch.ones(4)], 1, 7)
-        work.fut.set_result(None)
-    rows = rec.rows()
-    assert [(r["op"], r["bytes"], r["group_size"], r["tag"], r["peer"]) for r in rows] == [
-        ("all_reduce", 40, 3, "ft_cross_replica", None), ("send", 16, 3, "ft_recovery", 1)]
-    assert rows[0]["end"] >= rows[0]["start"]
-    pg.allreduce([torch.ones(1)], None)  # no recorder: not recorded, no error
+        assert pg.allreduce([torch.ones(10)], None) == "ft_cross_replica"
+        assert pg.send([torch.ones(4)], 1, 7) == "ft_recovery"
+        assert rec.tag == ""  # the tag lasts for the call only
+    assert pg.allreduce([torch.ones(1)], None) is None  # no recorder: nothing to tag, no error

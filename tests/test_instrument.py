@@ -1,21 +1,93 @@
-"""CommRecorder: exact counts and bytes, DDP buckets, bandwidth formulas, traces."""
+"""CommRecorder: every path to a collective, exact counts and bytes, DDP buckets, bandwidth formulas, traces."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+# Bound at import, long before any recorder starts: the recorder must still see these calls.
+from torch.distributed import P2POp, all_gather_into_tensor, all_reduce, batch_isend_irecv, irecv, isend
+
 import dtlab
 from dtlab import instrument
-from dtlab.core import comm
-from dtlab.instrument import algbw, bus_factor, busbw, chrome_trace, events_frame, recorder
+from dtlab.instrument import algbw, bus_factor, busbw, chrome_trace, events_frame, ops, recorder
 from dtlab.tiers.ddp import Options as DDPOptions
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
+
+
+def _seen(rec, before):
+    return [(e.op, e.bytes, e.group, e.group_size, e.peer, e.tag) for e in rec.events[before:]]
+
+
+def every_path(info):
+    """On 3 ranks: each path to a collective, what the recorder saw of it."""
+    from torch.distributed import broadcast as bound_after_start  # bound after the recorder started
+    from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+    from torch.distributed._functional_collectives import wait_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rec, rank, world = instrument.active(), info.rank, info.world_size
+    name = dist.group.WORLD.group_name
+    sub = dist.new_group([1, 2])  # group ranks 0, 1 are global ranks 1, 2
+    mesh = init_device_mesh("cpu", (world,))
+    seen = {}
+
+    def path(key, call):
+        before = len(rec.events)
+        call()
+        seen[key] = _seen(rec, before)
+
+    path("dist", lambda: dist.all_reduce(torch.ones(4)))
+    path("bound_at_import", lambda: (all_reduce(torch.ones(5)), all_gather_into_tensor(torch.zeros(2 * world),
+                                                                                        torch.ones(2))))
+    path("bound_after_start", lambda: bound_after_start(torch.ones(3, dtype=torch.float64), src=2))
+    path("distributed_c10d", lambda: dist.distributed_c10d.all_reduce(torch.ones(6)))
+    path("group_method", lambda: dist.group.WORLD.allreduce([torch.ones(7)]).wait())
+    if rank < 2:  # P2POp compares its op against torch's own isend/irecv: bound names must still pass
+        peer = 1 - rank
+        path("p2pop", lambda: [w.wait() for w in batch_isend_irecv([P2POp(isend, torch.ones(8), peer),
+                                                                   P2POp(irecv, torch.zeros(8), peer)])])
+    path("functional", lambda: wait_tensor(functional_all_reduce(torch.ones(9), "sum", dist.group.WORLD)))
+    path("dtensor", lambda: DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).full_tensor())
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    with rec.channels(["ddp_buckets"]):
+        path("ddp_reducer", lambda: ddp(torch.ones(2, 4)).sum().backward())
+    if rank in (1, 2):
+        path("sub_group", lambda: dist.all_reduce(torch.ones(10), group=sub))
+        t = torch.ones(11)
+        path("sub_group_p2p", lambda: dist.send(t, group=sub, group_dst=1) if rank == 1
+             else dist.recv(t, group=sub, group_src=0))
+    return name, sub.group_name if rank in (1, 2) else None, seen
+
+
+def test_every_path_to_a_collective_is_recorded():
+    out = dtlab.launch(every_path, 3, progress=False, timeout_s=60)
+    for rank, (world, sub, seen) in enumerate(out):
+        assert seen["dist"] == [("all_reduce", 16, world, 3, None, "")]
+        assert seen["bound_at_import"] == [("all_reduce", 20, world, 3, None, ""),
+                                           ("all_gather_into_tensor", 24, world, 3, None, "")]
+        assert seen["bound_after_start"] == [("broadcast", 24, world, 3, 2, "")]
+        assert seen["distributed_c10d"] == [("all_reduce", 24, world, 3, None, "")]
+        assert seen["group_method"] == [("all_reduce", 28, world, 3, None, "")]
+        if rank < 2:
+            assert seen["p2pop"] == [("isend", 32, world, 3, 1 - rank, "batched"),
+                                     ("irecv", 32, world, 3, 1 - rank, "batched")]
+        assert seen["functional"] == [("all_reduce", 36, world, 3, None, "")]
+        [(op, nbytes, _, size, _, _)] = seen["dtensor"]  # on the mesh's group
+        assert (op, nbytes, size) == ("all_gather_into_tensor", 24, 3)
+        assert seen["ddp_reducer"] == [("all_reduce", 80, world, 3, None, "ddp_bucket:0")]
+        if rank in (1, 2):
+            assert sub != world
+            assert seen["sub_group"] == [("all_reduce", 40, sub, 2, None, "")]
+            # group_dst/group_src are ranks within the group: recorded as the global rank they reach
+            assert seen["sub_group_p2p"] == [("send" if rank == 1 else "recv", 44, sub, 2, 3 - rank, "")]
 
 
 def known_sequence(info):
@@ -35,26 +107,27 @@ def known_sequence(info):
         dist.recv(torch.zeros(10), src=peer)
     work = dist.all_reduce(torch.ones(100, dtype=torch.float16), async_op=True)  # 200 B
     work.wait()
-    ops = [dist.P2POp(dist.isend, torch.ones(7), peer), dist.P2POp(dist.irecv, torch.zeros(7), peer)]
-    for w in dist.batch_isend_irecv(ops):  # 28 B each way
-        w.wait()
-    return [e[:] for e in rec.events[before:]]
+    sent = [1, 3] if rank == 0 else [2, 2]  # rows to rank 0, to rank 1
+    got = [1, 2] if rank == 0 else [3, 2]  # rows from rank 0, from rank 1
+    dist.all_to_all_single(torch.zeros(sum(got)), torch.ones(4), got, sent)  # input: 16 B
+    return [e.row() for e in rec.events[before:]]
 
 
-def test_known_sequence_gives_exact_counts_and_bytes():
+def test_known_sequence_gives_exact_counts_bytes_and_timing():
     out = dtlab.launch(known_sequence, 2, progress=False)
     for rank, events in enumerate(out):
-        got = [(e[comm.OP], e[comm.BYTES]) for e in events]
+        got = [(e["op"], e["bytes"]) for e in events]
         p2p = ("send", 40) if rank == 0 else ("recv", 40)
         assert got == [("all_reduce", 16), ("broadcast", 64), ("all_gather", 24), ("reduce_scatter_tensor", 40),
                        ("all_gather_into_tensor", 48), ("barrier", 0), p2p, ("all_reduce", 200),
-                       ("isend", 28), ("irecv", 28)]
-        assert {e[comm.GROUP] for e in events} == {2}
+                       ("all_to_all_single", 16)]
+        assert {e["group_size"] for e in events} == {2}
         async_ev = events[7]
-        assert async_ev[comm.ASYNC] and async_ev[comm.DTYPE] == "float16"
-        assert async_ev[comm.END] >= async_ev[comm.START] and async_ev[comm.WAIT] >= 0
-        assert [e[comm.PEER] for e in events[8:]] == [1 - rank, 1 - rank]
-        assert all(e[comm.TAG] == "batched" for e in events[8:])
+        assert async_ev["async"] and async_ev["dtype"] == "float16" and not events[0]["async"]
+        assert all(e["end"] >= e["start"] for e in events) and async_ev["wait_s"] >= 0
+        assert events[6]["peer"] == 1 - rank
+        assert events[8]["input_splits"] == ([1, 3] if rank == 0 else [2, 2])
+        assert events[8]["output_splits"] == ([1, 2] if rank == 0 else [3, 2])
 
 
 def ddp_steps(info, bucket_cap_mb, steps):
@@ -66,29 +139,36 @@ def ddp_steps(info, bucket_cap_mb, steps):
     strategy = Strategy(cfg, info)
     rec = instrument.active()
     ddp = strategy.wrap(model)
-    init = [e[:] for e in rec.events]
+    init = [e.row() for e in rec.events]
     per_step, layouts = [], []
-    for step in range(steps):
-        rec.step = step
-        ddp(torch.randn(8, 64)).sum().backward()
-        per_step.append([e[:] for e in rec.events if e[comm.STEP] == step])
-        layouts.append(bucket_layout(ddp)["bucket_sizes_bytes"])
+    with rec.channels(strategy.comm_channels):
+        for step in range(steps):
+            rec.step = step
+            ddp(torch.randn(8, 64)).sum().backward()
+            per_step.append([e.row() for e in rec.events if e.step == step])
+            layouts.append(bucket_layout(ddp)["bucket_sizes_bytes"])
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     return init, per_step, grad_bytes, layouts
 
 
 def test_ddp_bucket_events_match_ddp_buckets():
     init, per_step, grad_bytes, layouts = dtlab.launch(ddp_steps, 2, args=(0.02, 3), progress=False)[0]
-    # DDP's initial parameter broadcast goes through _broadcast_coalesced, not dist.broadcast
-    assert [e[comm.OP] for e in init] == ["broadcast"] and init[0][comm.TAG] == "broadcast_coalesced"
-    assert init[0][comm.BYTES] == grad_bytes
+    # DDP's construction, as it goes on the wire: a shape check (an all-gather) and its broadcast of the
+    # parameters from rank 0 (_broadcast_coalesced, from C++)
+    assert [e["op"] for e in init][0] == "all_gather"
+    broadcasts = [e for e in init if e["op"] == "broadcast"]
+    assert broadcasts and all(e["peer"] == 0 for e in broadcasts)
+    assert max(e["bytes"] for e in broadcasts) == grad_bytes
     assert len(layouts[0]) == 1 and len(layouts[-1]) == 3  # one bucket, then rebuilt to 0.02 MB ones
-    for events, buckets in zip(per_step, layouts):
-        assert len(events) == len(buckets)
-        assert [e[comm.BYTES] for e in events] == buckets
-        assert all(e[comm.OP] == "all_reduce" and e[comm.TAG].startswith("ddp_bucket:") for e in events)
-        assert sum(e[comm.BYTES] for e in events) == grad_bytes
-        assert all(e[comm.END] >= e[comm.START] for e in events)
+    for step, (events, buckets) in enumerate(zip(per_step, layouts)):
+        reduces = [e for e in events if e["op"] == "all_reduce"]
+        assert [e["bytes"] for e in reduces] == buckets
+        assert [e["tag"] for e in reduces] == [f"ddp_bucket:{i}" for i in range(len(buckets))]
+        assert all(e["end"] >= e["start"] for e in reduces)
+        assert sum(e["bytes"] for e in reduces) == grad_bytes
+        # the second step's forward rebuilds the buckets: rank 0 broadcasts the new layout (from C++)
+        rebuild = [(e["op"], e["peer"]) for e in events if e["op"] != "all_reduce"]
+        assert rebuild == ([("broadcast", 0)] * len(rebuild) if step == 1 else []) and (step != 1 or rebuild)
 
 
 def uneven_join(info):
@@ -99,31 +179,78 @@ def uneven_join(info):
     with Join([model]):
         for _ in range(2 + 2 * info.rank):  # rank 1 has more batches: Join shadows its all-reduces on rank 0
             model(torch.randn(8, 4)).sum().backward()
-    ops = [e[comm.OP] for e in instrument.active().events]
-    return ops.count("all_reduce"), all(e[comm.END] is not None for e in instrument.active().events)
+    ops_seen = [e.op for e in instrument.active().events]
+    return ops_seen.count("all_reduce"), all(e.end is not None for e in instrument.active().events)
 
 
 def test_ddp_join_runs_under_the_recorder_and_its_all_reduces_are_recorded():
-    # Join hands its all-reduce's Work to DDP's C++ reducer, which takes only c10d's own Work:
-    # calls from torch get the real object back (their end still recorded).
     (count0, ended0), (count1, ended1) = dtlab.launch(uneven_join, 2, progress=False, timeout_s=30)
     assert count0 > 0 and count1 > 0 and ended0 and ended1
 
 
-def test_recorder_off_records_nothing_and_uninstall_restores_torch():
-    recorder.uninstall()  # an earlier test in this process may have recorded: start from torch's own functions
-    original = dist.all_reduce
-    recorder.install()
-    assert dist.all_reduce is not original and dist.all_reduce.__dtlab_original__ is original
-    assert dist.distributed_c10d.all_reduce is dist.all_reduce  # one wrapper for both names
-    recorder.uninstall()
-    assert dist.all_reduce is original
+def tags_and_quiet(info):
+    rec = instrument.active()
+    before = len(rec.events)
+    seen = {}
+
+    def other_thread():
+        seen["inside"] = rec.tag
+        dist.all_reduce(torch.ones(1))  # not tagged: the tag belongs to the main thread
+
+    with rec.tagged("main"):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        dist.all_reduce(torch.ones(2))
+        with rec.quiet():
+            dist.all_reduce(torch.ones(3))  # not recorded
+    return seen["inside"], [(e.bytes, e.tag) for e in rec.events[before:]]
+
+
+def test_tags_and_quiet_are_per_thread():
+    for inside, events in dtlab.launch(tags_and_quiet, 2, progress=False):
+        assert inside == ""
+        assert events == [(4, ""), (8, "main")]
+
+
+def test_recorder_registers_its_kernels_only_while_it_runs():
+    def has_kernel() -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "BackendSelect")
+
+    wait = dist.distributed_c10d.Work.wait
+    assert not recorder.installed() and not has_kernel()
+    with instrument.CommRecorder(0):
+        assert recorder.installed() and has_kernel()
+        assert dist.distributed_c10d.Work.wait is not wait
+    assert not recorder.installed() and not has_kernel()
+    assert dist.distributed_c10d.Work.wait is wait
 
     def plain(info):
         dist.all_reduce(torch.ones(1))
-        return len(instrument.active().events) if instrument.active() else None
+        return instrument.active(), recorder.installed()
 
-    assert dtlab.launch(plain, 2, progress=False, record=False) == [None, None]
+    assert dtlab.launch(plain, 2, progress=False, record=False) == [(None, False), (None, False)]
+
+
+def test_a_renamed_argument_fails_loudly(monkeypatch):
+    assert "allreduce_" in ops.check_schemas()
+    monkeypatch.setitem(ops.C10D_OPS, "allreduce_", ops.OpRule("all_reduce", "tensor_list"))
+    with pytest.raises(RuntimeError, match=r"c10d::allreduce_'s argument\(s\) tensor_list"):
+        ops.check_schemas(("allreduce_",))
+
+
+def backend_directly(info):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    for _ in range(2):
+        backend.allreduce([torch.ones(2)]).wait()
+    return len(instrument.active().events)
+
+
+def test_a_call_below_the_dispatcher_is_named_once():
+    with pytest.warns(RuntimeWarning, match="not recorded: Backend.allreduce") as caught:
+        counts = dtlab.launch(backend_directly, 2, progress=False)
+    assert counts == [0, 0]
+    assert sum("Backend.allreduce" in str(w.message) for w in caught) == 1  # once, not per rank or per call
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -138,8 +265,8 @@ def test_bus_bandwidth_follows_nccl_tests():
 
 
 def _row(op, nbytes, start, end, n=2, rank=0):
-    return {"rank": rank, "seq": 0, "op": op, "bytes": nbytes, "dtype": "float32", "group_size": n, "peer": None,
-            "start": start, "end": end, "wait_s": 0.0, "async": False, "tag": "", "step": 0}
+    return {"rank": rank, "seq": 0, "op": op, "bytes": nbytes, "dtype": "float32", "group_size": n, "group": "0",
+            "peer": None, "start": start, "end": end, "wait_s": 0.0, "async": False, "tag": "", "step": 0}
 
 
 def test_events_frame_computes_bandwidth_columns():

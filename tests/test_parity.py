@@ -27,8 +27,16 @@ def test_zero_parameters_as_bucket_view_matches_and_broadcasts_less():
     packed = run(cfg.replace(tier_options=ZeroOptions(parameters_as_bucket_view=True)), progress=False)
     plain = run(cfg, progress=False)
     assert packed.max_param_diff(single("adam")) <= TOL
-    broadcasts = [r.comm_summary()["broadcast"]["calls_per_step"] for r in (packed, plain)]
-    assert broadcasts == [2, 6]  # one per rank, against one per parameter tensor
+    # ZeRO's broadcasts: one per rank, against one per parameter tensor (from step 2: step 1's forward
+    # also broadcasts DDP's rebuilt bucket layout from rank 0)
+    broadcasts = [_calls_per_step(r, "broadcast", first_step=2) for r in (packed, plain)]
+    assert broadcasts == [2, 6]
+
+
+def _calls_per_step(result, op: str, first_step: int) -> float:
+    ev = result.events_frame()
+    ev = ev[(ev["rank"] == 0) & (ev["op"] == op) & (ev["step"] >= first_step) & (ev["step"] < result.config.steps)]
+    return len(ev) / (result.config.steps - first_step)
 
 
 @pytest.mark.parametrize("tier", ["ddp", "zero"])

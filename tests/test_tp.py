@@ -110,15 +110,14 @@ def test_fsdp_tp_mesh_must_fit_the_world():
 
 
 def _both_recorders(info):
-    """One tp+sp+loss-parallel step recorded by dtlab's dispatch mode and by torch's CommDebugMode together."""
+    """One tp+sp+loss-parallel step recorded by dtlab's recorder and by torch's CommDebugMode together."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
     from dtlab.core import models
-    from dtlab.instrument.functional import FunctionalRecorder
-    from dtlab.instrument.recorder import CommRecorder
+    from dtlab.instrument import active
     from dtlab.tiers import tp
 
     torch.manual_seed(0)
@@ -126,13 +125,14 @@ def _both_recorders(info):
     tp.parallelize(model, init_device_mesh("cpu", (info.world_size,)), TpOptions(sequence_parallel=True,
                                                                                     loss_parallel=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ours = CommRecorder(info.rank)
+    ours = active()
+    before = len(ours.events)
     x = torch.randint(0, 53, (4, 32))
-    with CommDebugMode() as theirs, FunctionalRecorder(ours), loss_parallel():
+    with CommDebugMode() as theirs, ours.channels(["modules"]), loss_parallel():
         models.loss(model(x), x).backward()
         optimizer.step()
     counted = {str(op).split(".")[-1]: n for op, n in theirs.get_comm_counts().items()}
-    return counted, [ev[2] for ev in ours.events]
+    return counted, [ev.op for ev in ours.events[before:]]
 
 
 def test_functional_recording_agrees_with_comm_debug_mode():

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from dtlab.core.comm import BYTES, END, OP, START, bus_factor
+from dtlab.core.comm import bus_factor
 from dtlab.core.config import shared_threads
 from dtlab.instrument.recorder import active
 from dtlab.launch.local import launch
@@ -104,8 +104,8 @@ def sweep_rank(info: Any, ops: tuple[str, ...], sizes: tuple[int, ...], repeats:
         _run_op(op, nbytes, info.rank, info.world_size)
         events = rec.events[first:]
         # the recorder's own clock: first start to last end of this op's events
-        seconds = max(e[END] or e[START] for e in events) - min(e[START] for e in events)
-        moved = sum(e[BYTES] for e in events if e[OP] != "irecv")
+        seconds = max(e.end or e.start for e in events) - min(e.start for e in events)
+        moved = sum(e.bytes for e in events if e.op != "irecv")
         rows.append({"rank": info.rank, "op": op, "bytes": moved, "repeat": rep, "seconds": seconds,
                      "group_size": info.world_size, "threads": torch.get_num_threads()})
     return rows

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# Event layout (a list, mutated in place when an async op completes).
-FIELDS = ("rank", "seq", "op", "bytes", "dtype", "group_size", "peer", "start", "end", "wait_s", "async", "tag", "step")
-(RANK, SEQ, OP, BYTES, DTYPE, GROUP, PEER, START, END, WAIT, ASYNC, TAG, STEP) = range(len(FIELDS))
+# The columns of an event row (``dtlab.instrument.events.Event.row``); ``group`` is the process group's name.
+FIELDS = ("rank", "seq", "op", "bytes", "dtype", "group_size", "group", "peer", "start", "end", "wait_s", "async",
+          "tag", "step")
 
 # Collectives whose nccl-tests bus-bandwidth factor is 2(n-1)/n, (n-1)/n or 1.
 _BUS_FACTORS: dict[str, Callable[[int], float]] = {

@@ -39,6 +39,26 @@ def default_group() -> Any:
         raise _missing("torch.distributed.distributed_c10d._get_default_group", exc) from None
 
 
+def backend_class() -> type:
+    """The C++ base class of every c10d backend (``torch._C._distributed_c10d.Backend``; the public
+    ``torch.distributed.Backend`` is the class of backend names)."""
+    try:
+        from torch._C._distributed_c10d import Backend
+    except ImportError as exc:
+        raise _missing("torch._C._distributed_c10d.Backend", exc) from None
+    return Backend
+
+
+def unregister_library(library: Any) -> None:
+    """Undo a ``torch.library.Library``'s registrations (``Library._destroy``: torch's own scoped libraries
+    use it; there is no public counterpart)."""
+    try:
+        destroy = library._destroy
+    except AttributeError as exc:
+        raise _missing("torch.library.Library._destroy", exc) from None
+    destroy()
+
+
 def register_fake_backend() -> None:
     """Make ``init_process_group("fake")`` available: torch registers its fake process group (collectives
     return at once, no data moves) only when ``torch.testing._internal.distributed.fake_pg`` is imported."""

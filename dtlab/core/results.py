@@ -191,7 +191,8 @@ class RunResult:
         steps = self.config.steps
         out = {}
         for op, group in df.groupby("op"):
-            in_steps = group[group["step"] >= 0]  # leaves out set-up traffic (DDP's initial broadcast)
+            # leaves out set-up traffic (DDP's initial broadcast) and the final state's gathering (step == steps)
+            in_steps = group[(group["step"] >= 0) & (group["step"] < steps)]
             out[str(op)] = {"calls": int(len(group)), "bytes": int(group["bytes"].sum()),
                             "calls_per_step": len(in_steps) / steps,
                             "bytes_per_step": float(in_steps["bytes"].sum()) / steps,

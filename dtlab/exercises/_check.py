@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlab.core.comm import ASYNC, BYTES, END, OP, PEER, START
 from dtlab.core.failures import RankError, RankFailure
 from dtlab.instrument.recorder import active
 from dtlab.launch.local import launch
@@ -145,8 +144,13 @@ def call_learner(fn: Callable[..., Any], *args: Any, where: str) -> tuple[Any, t
         raise
     except Exception as exc:
         raise ExerciseError(_explain(exc, recorder.events[first:], where)) from exc
-    return value, tuple(Call(ev[OP], int(ev[BYTES]), ev[PEER], ev[START], ev[END], bool(ev[ASYNC]))
-                        for ev in recorder.events[first:])
+    return value, tuple(_call(ev) for ev in recorder.events[first:])
+
+
+def _call(ev: Any) -> Call:
+    extra = ev.extra or {}
+    splits = [tuple(extra[k]) if k in extra else None for k in ("input_splits", "output_splits")]
+    return Call(ev.op, int(ev.bytes), ev.peer, ev.start, ev.end, bool(ev.is_async), *splits)
 
 
 def recorder_now() -> float:
@@ -157,12 +161,12 @@ def recorder_now() -> float:
     return recorder.now()
 
 
-def _explain(exc: Exception, events: list[list[Any]], where: str) -> str:
+def _explain(exc: Exception, events: list[Any], where: str) -> str:
     rank = dist.get_rank()
     first_line = _first_line(exc)
     context = "; ".join(filter(None, [where, _location(exc)]))
     if "timed out" in first_line.lower():
-        call = ordinal(1 + sum(ev[END] is not None for ev in events))
+        call = ordinal(1 + sum(ev.end is not None for ev in events))
         # "timed out waiting" also marks the report as a consequence, so that a rank's own error is named first
         return f"rank {rank} timed out waiting in {_stuck_call(exc, events)} (its {call} call, {context})"
     return f"rank {rank} raised {type(exc).__name__} ({context}): {first_line}"
@@ -176,7 +180,7 @@ def _first_line(exc: Exception) -> str:
     return text
 
 
-def _stuck_call(exc: Exception, events: list[list[Any]]) -> str:
+def _stuck_call(exc: Exception, events: list[Any]) -> str:
     """The call a timed-out rank was waiting in, with its peer: read from torch's frame, else the open transfers."""
     tb, frame = exc.__traceback__, None
     while tb is not None:
@@ -191,8 +195,8 @@ def _stuck_call(exc: Exception, events: list[list[Any]]) -> str:
             src = local.get("src", local.get("group_src"))
             return f"{op} from {'any rank' if src is None else f'rank {src}'}"
         return op
-    open_calls = [f"{ev[OP]} {'to' if ev[OP] in SENDS else 'from'} rank {ev[PEER]}"
-                  for ev in events if ev[END] is None and ev[OP] in POINT_TO_POINT]
+    open_calls = [f"{ev.op} {'to' if ev.op in SENDS else 'from'} rank {ev.peer}"
+                  for ev in events if ev.end is None and ev.op in POINT_TO_POINT]
     return "wait() for " + " and ".join(open_calls) if open_calls else "a call"
 
 

@@ -1,8 +1,8 @@
-"""Recording communication: c10d collectives and point-to-point calls, and RPC calls."""
+"""Recording communication: every c10d collective and point-to-point call (at the dispatcher), and RPC calls."""
 
 from dtlab.core.comm import FIELDS, algbw, bus_factor, busbw, chrome_trace, events_frame
-from dtlab.instrument.ddp_hooks import allreduce_hook, recording_hook
-from dtlab.instrument.recorder import CommRecorder, active
+from dtlab.instrument.events import Event
+from dtlab.instrument.recorder import CommRecorder, active, tag_methods, tagged
 
-__all__ = ["FIELDS", "CommRecorder", "active", "algbw", "allreduce_hook", "bus_factor", "busbw", "chrome_trace",
-           "events_frame", "recording_hook"]
+__all__ = ["FIELDS", "CommRecorder", "Event", "active", "algbw", "bus_factor", "busbw", "chrome_trace",
+           "events_frame", "tag_methods", "tagged"]

@@ -1,75 +1,44 @@
-"""CommRecorder: every c10d collective and point-to-point call as an event.
+"""CommRecorder: every c10d collective and point-to-point call of a process as an event.
 
-Recording works by wrapping the Python entry points of ``torch.distributed``
-(and its ``distributed_c10d`` module, where torch's own code looks them up) for
-the whole process. The wrappers call the original function unchanged, so c10d
-behaves exactly as before. What never passes through Python -- DDP's reducer
--- is seen through a comm hook (``dtlab.instrument.ddp_hooks``) that dtlab's
-DDP tiers register. Events are plain lists while recording (appending is cheap) and
-become a DataFrame or a Chrome trace afterwards.
+The one facade for recording. ``start()`` installs the dispatcher kernels
+(``dtlab.instrument.dispatch``) that see every call whichever path it took;
+``stop()`` removes them, and torch runs as if dtlab were not there. A tier
+declares the channels it wants (``Strategy.comm_channels``: ``modules``,
+``ddp_buckets``; see ``dtlab.instrument.channels``), which the training loop
+opens with ``recorder.channels(...)``. Tags and the suppression of recording
+are per thread: DDP's reducer and torchft's recovery run on threads of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from dtlab.core.comm import END, FIELDS, START, TAG, WAIT, events_frame
+from dtlab.core.comm import events_frame
 from dtlab.core.timing import StepClock
-from dtlab.instrument.calls import (
-    ALWAYS_ASYNC,
-    EXTRA_RULES,
-    GROUP_ASYNC_POS,
-    OP_CODES,
-    SIZE_RULES,
-    arg,
-    dtype_name,
-    tensor_nbytes,
-)
+from dtlab.instrument.channels import CHANNELS
+from dtlab.instrument.dispatch import Interceptor
+from dtlab.instrument.events import Event
+from dtlab.instrument.ops import ASYNC_NAMES, OP_CODES, OpRule, dtype_name, tensor_nbytes
+from dtlab.instrument.unseen import note_unseen
 
 _active: CommRecorder | None = None
-_originals: dict[tuple[Any, str], Callable[..., Any]] = {}
+_interceptor = Interceptor()
 _install_lock = threading.Lock()
-
-
-class _RecordedWork:
-    """A Work handle that notes how long the caller waited on it."""
-
-    __slots__ = ("_work", "_event", "_recorder")
-
-    def __init__(self, work: Any, event: list, recorder: CommRecorder) -> None:
-        self._work, self._event, self._recorder = work, event, recorder
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        rec = self._recorder
-        rec._enter(OP_CODES["wait"])
-        t0 = rec.now()
-        result = self._work.wait(*args, **kwargs)
-        t1 = rec.now()  # on CUDA: where the stream is once it waits for the op (see dtlab.core.timing)
-        rec._leave()
-        ev = self._event
-        ev[WAIT] += t1 - t0
-        if ev[END] is None or ev[END] < t1:
-            ev[END] = t1
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
 
 
 class CommRecorder:
     """Records communication events (and compute phases) of one process.
 
     Use as a context manager, or ``start()`` / ``stop()``. While started, every
-    collective in the process is recorded, whoever calls it.
+    collective in the process is recorded, whoever calls it and however.
 
     ``live`` is an optional shared array of 5 doubles per process that the
     launcher reads to say which op a hung rank is waiting in.
@@ -77,11 +46,16 @@ class CommRecorder:
 
     def __init__(self, rank: int | None = None, live: Any = None) -> None:
         self.rank = rank
-        self.events: list[list[Any]] = []
+        self.events: list[Event] = []
         self.phases: list[tuple[str, float, float, int]] = []
         self._step = -1
-        self.tag = ""
-        self.suppressed = False
+        self._seq = itertools.count()
+        self._thread = threading.local()
+        self._taggers: list[Any] = []
+        self._in_flight: dict[int, tuple[Any, Event]] = {}  # id(Work) -> (the Work, its event), until waited
+        self.unseen_paths: set[str] = set()  # calls made by a path the recorder cannot see
+        # storage of a functional collective's output -> its event, until wait_tensor waits on it
+        self._awaited: dict[int, Event] = {}
         self.live = live
         if live is not None:
             live[4] = -1
@@ -102,18 +76,24 @@ class CommRecorder:
     # -- switching on and off ------------------------------------------------
     def start(self) -> CommRecorder:
         global _active
-        if _active is not None and _active is not self:
-            raise RuntimeError("another CommRecorder is already recording in this process")
-        if self.rank is None:
-            self.rank = dist.get_rank() if dist.is_initialized() else 0
-        install()
-        _active = self
+        with _install_lock:
+            if _active is not None and _active is not self:
+                raise RuntimeError("another CommRecorder is already recording in this process")
+            if self.rank is None:
+                self.rank = dist.get_rank() if dist.is_initialized() else 0
+            if not _interceptor.installed:
+                _interceptor.install(self)
+            _active = self
         return self
 
     def stop(self) -> None:
         global _active
-        if _active is self:
-            _active = None
+        with _install_lock:
+            if _active is self:
+                _interceptor.remove()
+                _active = None
+                self._in_flight.clear()
+                self._awaited.clear()
 
     def __enter__(self) -> CommRecorder:
         return self.start()
@@ -121,7 +101,22 @@ class CommRecorder:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    # -- what the training loop tells it -------------------------------------
+    @contextlib.contextmanager
+    def channels(self, names: Sequence[str]) -> Iterator[None]:
+        """Open the named channels (``dtlab.instrument.channels.CHANNELS``) for the block."""
+        unknown = [n for n in names if n not in CHANNELS]
+        if unknown:
+            raise ValueError(f"unknown recorder channel(s) {unknown}; known: {sorted(CHANNELS)}")
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(CHANNELS[n]()) for n in names]
+            self._taggers += opened
+            try:
+                yield
+            finally:
+                for channel in opened:
+                    self._taggers.remove(channel)
+
+    # -- what the training loop and the tiers tell it -------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a compute phase (forward, backward, ...) for the timeline."""
@@ -131,13 +126,28 @@ class CommRecorder:
         finally:
             self.phases.append((name, t0, self.now(), self.step))
 
+    @property
+    def tag(self) -> str:
+        """This thread's tag for the calls it makes ("" if none)."""
+        return getattr(self._thread, "tag", "")
+
     @contextlib.contextmanager
     def tagged(self, tag: str) -> Iterator[None]:
-        previous, self.tag = self.tag, tag
+        """Tag the calls this thread makes in the block."""
+        previous, self._thread.tag = self.tag, tag
         try:
             yield
         finally:
-            self.tag = previous
+            self._thread.tag = previous
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Record nothing this thread calls in the block (dtlab's own bookkeeping collectives)."""
+        previous, self._thread.quiet = getattr(self._thread, "quiet", False), True
+        try:
+            yield
+        finally:
+            self._thread.quiet = previous
 
     def now(self) -> float:
         """A timestamp: ``time.perf_counter()``, or on CUDA a mark of the step's clock (resolved after it)."""
@@ -148,17 +158,105 @@ class CommRecorder:
         if not times:
             return
         for ev in self.events[events_from:]:
-            ev[START] = times.get(ev[START], ev[START])
-            if ev[END] is not None:
-                ev[END] = times.get(ev[END], ev[END])
+            ev.start = times.get(ev.start, ev.start)
+            if ev.end is not None:
+                ev.end = times.get(ev.end, ev.end)
         self.phases[phases_from:] = [(n, times.get(a, a), times.get(b, b), s) for n, a, b, s in
                                      self.phases[phases_from:]]
 
-    # -- recording -------------------------------------------------------------
-    def _enter(self, code: int) -> None:
+    # -- what the dispatcher's kernels report (dtlab.instrument.dispatch.Sink) --
+    def listening(self) -> bool:
+        return not getattr(self._thread, "quiet", False)
+
+    def begin(self, rule: OpRule, bound: dict[str, Any], api: str, from_engine: bool) -> tuple[Event, Any]:
+        group = _unbox_group(bound.get(rule.group))
+        size, name = _group_size(group), _group_name(group)
+        peer = bound.get(rule.peer) if rule.peer else None
+        if peer is not None and peer >= 0:
+            peer = _global_rank(group, peer)
+        op = rule.op
+        if rule.async_arg is None:  # send/isend, recv/irecv: one op each; only c10d's send and recv block
+            is_async = api not in ("send", "recv")
+            op = ASYNC_NAMES.get(op, op) if is_async else op
+        else:
+            is_async = bool(bound.get(rule.async_arg, True))
+        payload = bound.get(rule.payload) if rule.payload else None
+        extra = rule.extra(bound, size) if rule.extra is not None else None
+        tag = self.tag or ("batched" if api == "batch_isend_irecv" else "") or self._channel_tag(op, from_engine)
+        self._enter(OP_CODES.get(op, 0), new_call=True)
+        event = self.add(op, tensor_nbytes(payload), dtype_name(payload), size, peer, self.now(), is_async,
+                         tag=tag, group=name, extra=extra)
+        return event, bound.get(rule.output) if rule.output and is_async and api == "" else None
+
+    def issued(self, call: tuple[Event, Any], out: Any) -> None:
+        self._leave()
+        event, outputs = call
+        if outputs is not None:  # perhaps a functional collective's result: its wait_tensor ends the wait
+            for tensor in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
+                self._awaited[_storage(tensor)] = event
+        work = _unbox_work(out[1] if isinstance(out, tuple) else out)
+        if work is None:
+            event.finish(self.now())
+            return
+        self._in_flight[id(work)] = (work, event)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's send/recv works have no future: their wait() ends them
+            return
+
+        def done(_: Any) -> None:
+            event.finish(time.perf_counter())
+
+        future.add_done_callback(done)
+
+    def failed(self, call: tuple[Event, Any]) -> None:
+        """The call raised: the event stays open, and the op "in flight" for the launcher's report."""
+
+    def wait(self, work: Any, original: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        found = self._in_flight.pop(id(work), None)
+        if found is None:
+            return original(work, *args, **kwargs)
+        event = found[1]
+        self._enter(OP_CODES.get(event.op, 0))
+        t0 = self.now()
+        result = original(work, *args, **kwargs)
+        t1 = self.now()  # on CUDA: where the stream is once it waits for the op (see dtlab.core.timing)
+        self._leave()
+        event.wait_s += t1 - t0
+        event.finish(t1)
+        return result
+
+    def tensor_wait(self, tensor: Any, wait: Callable[[], Any]) -> Any:
+        event = self._awaited.pop(_storage(tensor), None)
+        if event is None:
+            return wait()
+        self._enter(OP_CODES.get(event.op, 0))
+        t0 = self.now()
+        result = wait()
+        t1 = self.now()
+        self._leave()
+        event.wait_s += t1 - t0
+        event.finish(t1)
+        return result
+
+    def unseen(self, path: str) -> None:
+        """A call the recorder cannot see was made: say so once per path (``dtlab.instrument.unseen``)."""
+        if path not in self.unseen_paths:
+            self.unseen_paths.add(path)
+            note_unseen(path)
+
+    def _channel_tag(self, op: str, from_engine: bool) -> str:
+        for channel in self._taggers:
+            tag = channel.tag(op, from_engine, self._step)
+            if tag:
+                return tag
+        return ""
+
+    def _enter(self, code: int, new_call: bool = False) -> None:
+        """Tell the launcher this thread is now inside ``code``'s call (a new one, or a wait on one)."""
         live = self.live
         if live is not None:
-            live[0] += 1
+            live[0] += new_call
             live[1] = code
             live[2] = 1.0
             live[3] = time.time()
@@ -167,29 +265,17 @@ class CommRecorder:
         if self.live is not None:
             self.live[2] = 0.0
 
-    def add(self, op: str, nbytes: int, dtype: str, group_size: int, peer: Any, start: float,
-            end: float | None, is_async: bool, **extra: Any) -> list:
-        """A new event; ``extra`` fields (an all-to-all's split sizes) follow the FIELDS as one dict."""
-        ev = [self.rank, len(self.events), op, nbytes, dtype, group_size, peer, start, end, 0.0,
-              is_async, self.tag, self.step]
-        if extra:
-            ev.append(extra)
-        self.events.append(ev)
-        return ev
+    def add(self, op: str, nbytes: int, dtype: str, group_size: int, peer: Any, start: float, is_async: bool,
+            tag: str = "", group: str = "", extra: dict[str, Any] | None = None) -> Event:
+        """A new event (for the kernels, and for callers that record an exchange of their own)."""
+        event = Event(self.rank, next(self._seq), op, nbytes, dtype, group_size, group, peer, start, is_async,
+                      tag, self._step, extra)
+        self.events.append(event)
+        return event
 
     # -- results ---------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
-        out = []
-        for ev in self.events:
-            row = dict(zip(FIELDS, ev))
-            if len(ev) > len(FIELDS):
-                row.update(ev[len(FIELDS)])
-            if row["end"] is None:
-                row["end"] = row["start"]
-            row["start"] += self.clock_offset
-            row["end"] += self.clock_offset
-            out.append(row)
-        return out
+        return [ev.row(self.clock_offset) for ev in self.events]
 
     def phase_rows(self) -> list[dict[str, Any]]:
         return [
@@ -201,173 +287,96 @@ class CommRecorder:
         return events_frame(self.rows())
 
 
-# -- the wrappers ----------------------------------------------------------------
-_group_sizes: dict[int, int] = {}
-
-
-def group_size(group: Any) -> int:
-    key = id(group)
-    size = _group_sizes.get(key)
-    if size is None:
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        _group_sizes[key] = size
-    return size
-
-
-def _watch_completion(work: Any, event: list) -> None:
+def _storage(tensor: Any) -> int:
     try:
-        fut = work.get_future()
-    except Exception:  # some backends/ops have no future; wait() still records
-        return
-
-    def done(_fut: Any) -> None:
-        t = time.perf_counter()
-        if event[END] is None or event[END] < t:
-            event[END] = t
-
-    fut.add_done_callback(done)
+        return tensor.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return id(tensor)
 
 
-def _handed_to_torch(depth: int = 2) -> bool:
-    """Whether the wrapped call came from torch itself (DDP's join, for one), which may pass the Work on
-    to C++: that needs the real object, so such calls get it back (their end is still recorded)."""
-    caller = sys._getframe(depth).f_globals.get("__name__", "")
-    return caller == "torch" or caller.startswith("torch.")
+def _unbox_group(obj: Any) -> Any:
+    if obj is None or isinstance(obj, dist.ProcessGroup):
+        return obj
+    try:
+        return dist.ProcessGroup.unbox(obj)
+    except RuntimeError:
+        return None
 
 
-def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    rule = SIZE_RULES[name]
-    extra_rule = EXTRA_RULES.get(name)
-    code = OP_CODES[name]
-    always_async = name in ALWAYS_ASYNC
-    group_pos, async_pos = GROUP_ASYNC_POS[name]
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        rec = _active
-        if rec is None or rec.suppressed:
-            return fn(*args, **kwargs)
-        payload, peer = rule(args, kwargs)
-        is_async = always_async or bool(
-            async_pos is not None and arg(args, kwargs, async_pos, "async_op", False))
-        size = group_size(arg(args, kwargs, group_pos, "group"))
-        rec._enter(code)
-        start = rec.now()
-        rec.suppressed = True  # torch implements some ops with others (send is isend + wait): count once
-        try:
-            work = fn(*args, **kwargs)
-        finally:
-            rec.suppressed = False
-        rec._leave()  # not reached on an exception: the op stays "in flight" for the launcher's report
-        end = None if is_async else rec.now()
-        extra = extra_rule(args, kwargs, size) if extra_rule is not None else {}
-        ev = rec.add(name, tensor_nbytes(payload), dtype_name(payload), size, peer, start, end, is_async, **extra)
-        if is_async and work is not None:
-            _watch_completion(work, ev)
-            return work if _handed_to_torch() else _RecordedWork(work, ev, rec)
-        return work
-
-    wrapper.__dtlab_original__ = fn  # type: ignore[attr-defined]
-    return wrapper
+def _unbox_work(obj: Any) -> Any:
+    if obj is None:
+        return None
+    try:
+        return dist.distributed_c10d.Work.unbox(obj)
+    except (RuntimeError, TypeError):
+        return None
 
 
-def _wrap_broadcast_coalesced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(process_group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = _active
-        if rec is None or rec.suppressed:
-            return fn(process_group, tensors, *args, **kwargs)
-        src = args[1] if len(args) > 1 else kwargs.get("src", 0)
-        rec._enter(OP_CODES["broadcast_coalesced"])
-        start = rec.now()
-        rec.suppressed = True
-        try:
-            return fn(process_group, tensors, *args, **kwargs)
-        finally:
-            rec.suppressed = False
-            rec._leave()
-            rec.add("broadcast", tensor_nbytes(list(tensors)), dtype_name(list(tensors)), process_group.size(), src,
-                    start, rec.now(), False)[TAG] = rec.tag or "broadcast_coalesced"
-
-    wrapper.__dtlab_original__ = fn  # type: ignore[attr-defined]
-    return wrapper
+def _group_size(group: Any) -> int:
+    try:
+        return int(group.size())
+    except Exception:  # not configured yet (torchft before its first quorum)
+        return 0
 
 
-def _wrap_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(p2p_op_list: Any) -> Any:
-        rec = _active
-        if rec is None or rec.suppressed:
-            return fn(p2p_op_list)
-        rec._enter(OP_CODES["batch_isend_irecv"])
-        start = rec.now()
-        rec.suppressed = True  # the isend/irecv it issues are recorded below, once
-        try:
-            works = fn(p2p_op_list)
-        finally:
-            rec.suppressed = False
-            rec._leave()
-        # One event per transfer, so a pipeline's traffic counts op by op.
-        events = []
-        for p2p in p2p_op_list:
-            op = "isend" if getattr(p2p.op, "__name__", "") == "isend" else "irecv"
-            ev = rec.add(op, tensor_nbytes(p2p.tensor), dtype_name(p2p.tensor), group_size(p2p.group), p2p.peer,
-                         start, None, True)
-            ev[TAG] = rec.tag or "batched"
-            events.append(ev)
-        if not works:
-            return works
-        if len(works) == len(events):
-            out = []
-            for work, ev in zip(works, events):
-                _watch_completion(work, ev)
-                out.append(_RecordedWork(work, ev, rec))
-            return out
-        # Coalesced into fewer works (NCCL): every transfer ends with them.
-        for work in works:
-            for ev in events:
-                _watch_completion(work, ev)
-        return [_RecordedWork(w, events[0], rec) for w in works]
-
-    wrapper.__dtlab_original__ = fn  # type: ignore[attr-defined]
-    return wrapper
+def _group_name(group: Any) -> str:
+    try:
+        return str(group.group_name)
+    except Exception:  # a group torch never named (built by hand, as torchft does)
+        return ""
 
 
-def install() -> None:
-    """Wrap the c10d entry points once per process (idempotent).
-
-    ``torch.distributed`` re-exports ``distributed_c10d``'s functions; both names
-    get the *same* wrapper, so identity checks inside torch (``P2POp`` accepts
-    only ``isend``/``irecv``) still hold.
-    """
-    with _install_lock:
-        if _originals:
-            return
-        makers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-            name: functools.partial(_wrap, name) for name in SIZE_RULES
-        }
-        makers["_broadcast_coalesced"] = _wrap_broadcast_coalesced
-        makers["batch_isend_irecv"] = _wrap_batch_isend_irecv
-        wrapped: dict[int, Callable[..., Any]] = {}
-        for module in (c10d, dist):
-            for name, make in makers.items():
-                fn = getattr(module, name, None)
-                if fn is None:
-                    continue
-                original = getattr(fn, "__dtlab_original__", fn)
-                _originals[(module, name)] = original
-                if id(original) not in wrapped:
-                    wrapped[id(original)] = make(original)
-                setattr(module, name, wrapped[id(original)])
-
-
-def uninstall() -> None:
-    """Put the original functions back (the recorder then sees nothing)."""
-    with _install_lock:
-        for (module, name), fn in _originals.items():
-            setattr(module, name, fn)
-        _originals.clear()
+def _global_rank(group: Any, rank: int) -> int:
+    """A rank within ``group`` as a global rank; the group's own rank for groups c10d does not know."""
+    try:
+        return int(dist.get_global_rank(group, rank))
+    except (ValueError, RuntimeError, KeyError, AttributeError):
+        return rank
 
 
 def active() -> CommRecorder | None:
     return _active
+
+
+def tagged(tag: str) -> contextlib.AbstractContextManager[Any]:
+    """Tag this thread's calls in the block, if a recorder is running (a no-op otherwise)."""
+    rec = _active
+    return rec.tagged(tag) if rec is not None else contextlib.nullcontext()
+
+
+def timed_phase(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Time a compute phase for the timeline, if a recorder is running (a no-op otherwise)."""
+    rec = _active
+    return rec.phase(name) if rec is not None else contextlib.nullcontext()
+
+
+def installed() -> bool:
+    """Whether the dispatcher kernels are in place (only while a recorder runs)."""
+    return _interceptor.installed
+
+
+def tag_methods(obj: Any, tags: dict[str, str]) -> None:
+    """Tag the calls made inside ``obj``'s named methods (``{"allreduce": "ft_cross_replica"}``): for an
+    object whose calls reach c10d through methods of its own, as torchft's process group does."""
+    for method, tag in tags.items():
+        original = getattr(obj, method)
+        if getattr(original, "__dtlab_tag__", None) == tag:
+            continue
+
+        def wrapper(*args: Any, _original: Callable[..., Any] = original, _tag: str = tag, **kwargs: Any) -> Any:
+            with tagged(_tag):
+                return _original(*args, **kwargs)
+
+        wrapper.__dtlab_tag__ = tag  # type: ignore[attr-defined]
+        setattr(obj, method, wrapper)
+
+
+def tag_ddp_hook(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A DDP comm hook whose calls are tagged with the bucket they reduce (``ddp_bucket:<index>``)."""
+
+    @functools.wraps(inner)
+    def hook(state: Any, bucket: Any) -> Any:
+        with tagged(f"ddp_bucket:{bucket.index()}"):
+            return inner(state, bucket)
+
+    return hook

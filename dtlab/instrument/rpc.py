@@ -99,8 +99,8 @@ class RpcRecorder:
 
     def add(self, op: str, callee: str, func: str, nbytes: int, start: float, is_async: bool) -> dict[str, Any]:
         ev = {"rank": self.rank, "seq": len(self.events), "op": op, "bytes": nbytes, "dtype": "", "group_size": 2,
-              "peer": callee, "start": start, "end": None, "wait_s": 0.0, "async": is_async, "tag": func,
-              "step": self.step, "caller": self.name, "response_bytes": 0}
+              "group": "rpc", "peer": callee, "start": start, "end": None, "wait_s": 0.0, "async": is_async,
+              "tag": func, "step": self.step, "caller": self.name, "response_bytes": 0}
         self.events.append(ev)
         return ev
 

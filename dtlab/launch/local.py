@@ -35,7 +35,8 @@ import cloudpickle
 import numpy as np
 
 from dtlab.core.failures import OpState, RankFailure
-from dtlab.instrument.calls import OP_NAMES
+from dtlab.instrument.ops import OP_NAMES
+from dtlab.instrument.unseen import warn_unseen
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 from dtlab.launch.flight import Dumps
 from dtlab.launch.rank import LIVE_SLOTS, rank_main
@@ -282,6 +283,7 @@ class _Ranks:
             conn.close()
         self.logs = {r: read_text(path) for r, path in enumerate(self.log_paths)}
         shutil.rmtree(self.log_dir, ignore_errors=True)
+        warn_unseen(self.logs.values())  # once per path no rank's recorder could see
 
     def collect(self, flight: dict[int, bytes]) -> LaunchResult:
         """The values in rank order, or the error that names the culprit first (with the ranks' dumps)."""

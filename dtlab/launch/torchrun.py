@@ -34,6 +34,7 @@ import psutil
 
 from dtlab.core import events
 from dtlab.core.failures import RankFailure
+from dtlab.instrument.unseen import warn_unseen
 from dtlab.launch import workdir as workdir_files
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 from dtlab.launch.flight import Dumps
@@ -300,6 +301,7 @@ class _Agents:
         if self.stopped:
             raise LaunchStopped("the launch was stopped on request; every agent and rank was killed")
         logs = {i: (self.work / f"torchrun-node{i}.log").read_text(errors="replace") for i in self.procs}
+        warn_unseen(logs.values())  # once per path no rank's recorder could see
         run_events = events.read_events(self.work)
         results = result_paths(self.work)
         ok = not self.note and all(p.returncode == 0 for i, p in self.procs.items() if i not in self.late)

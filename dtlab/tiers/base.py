@@ -33,7 +33,8 @@ class Strategy:
     accumulation_steps = 1
     start_step = 0  # the loop runs steps start_step .. cfg.steps - 1 (a resumed run starts later)
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
-    functional_collectives = False  # True: DTensor communicates; a recording run also records functional ops
+    # Recorder channels that name this tier's calls (dtlab.instrument.channels): "modules", "ddp_buckets"
+    comm_channels: tuple[str, ...] = ()
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info

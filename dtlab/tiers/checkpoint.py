@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tagged
 
 __all__ = ["METADATA", "CheckpointError", "Periodic", "latest", "load", "resolve", "save", "saved_step",
            "step_dir", "validate_options", "verify"]
@@ -274,6 +274,5 @@ class Periodic:
         """Save after step ``step`` (0-based) when one is due: ``step + 1`` steps are then done."""
         done = step + 1
         if self.directory and ((self.every and done % self.every == 0) or done == self.total_steps):
-            rec = active()
-            with rec.tagged("checkpoint") if rec is not None else contextlib.nullcontext():
+            with tagged("checkpoint"):
                 self.saved.append(str(save(self.model, self.optimizer, done, step_dir(self.directory, done))))

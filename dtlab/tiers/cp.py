@@ -44,7 +44,7 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
 from dtlab.core.memory import SavedActivations
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tagged, timed_phase
 from dtlab.tiers import base
 from dtlab.tiers.base import NoOptions as Options
 
@@ -156,7 +156,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
         kv, out, lse = torch.stack([k, v]), None, None
-        with _tagged(FORWARD_TAG):
+        with tagged(FORWARD_TAG):
             for step in range(ring.size):
                 owner = (ring.rank - step) % ring.size
                 # Send the block on before using it: the transfer overlaps this step's compute.
@@ -176,7 +176,7 @@ class RingAttention(torch.autograd.Function):
         ring: Ring = ctx.ring
         delta = (dout * out).sum(-1)  # D = rowsum(dO * O)
         dq, kv, grads = torch.zeros_like(q), torch.stack([k, v]), None
-        with _tagged(BACKWARD_TAG):
+        with tagged(BACKWARD_TAG):
             for step in range(ring.size):
                 owner = (ring.rank - step) % ring.size
                 incoming_kv = ring.shift(kv, _KV) if step < ring.size - 1 else None
@@ -199,16 +199,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     """``scaled_dot_product_attention(q, k, v, is_causal=True)`` of the whole sequence, where each rank
     passes its contiguous chunk (rank order) of q, k and v and gets its chunk of the output."""
     return RingAttention.apply(q, k, v, ring if ring is not None else Ring())
-
-
-def _tagged(tag: str) -> contextlib.AbstractContextManager[Any]:
-    rec = active()  # None when the run records nothing
-    return rec.tagged(tag) if rec is not None else contextlib.nullcontext()
-
-
-def _phase(name: str) -> contextlib.AbstractContextManager[Any]:
-    rec = active()
-    return rec.phase(name) if rec is not None else contextlib.nullcontext()
 
 
 # -- the model's forward on one chunk -----------------------------------------------------
@@ -247,12 +237,12 @@ class Strategy(base.Strategy):
         ring = Ring()
         start = time.perf_counter()
         counting = SavedActivations() if self.activations is None else contextlib.nullcontext()
-        with _phase("cp_forward"), counting as acts:
+        with timed_phase("cp_forward"), counting as acts:
             loss = models.loss(chunk_forward(model, x, lo, ring), y)
         if acts is not None:  # counted as the loop counts other tiers: parameters left out
             self.activations = acts.bytes(exclude=model.parameters())
         middle, forward_wait = time.perf_counter(), ring.waited_s
-        with _phase("cp_backward"):
+        with timed_phase("cp_backward"):
             loss.backward()
         end = time.perf_counter()
         self.times = {"forward": middle - start, "backward": end - middle, "forward_wait": forward_wait,

@@ -25,8 +25,7 @@ from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.memory import tensor_bytes
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.ddp_hooks import allreduce_hook, recording_hook
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tag_ddp_hook
 from dtlab.tiers import base, checkpoint
 from dtlab.tiers.syncbn import convert_sync_batchnorm
 
@@ -97,6 +96,8 @@ def comm_hook(options: BucketOptions) -> tuple[Any, Any]:
 
 
 class Strategy(base.Strategy):
+    comm_channels = ("ddp_buckets",)  # the reducer's all-reduces come from C++: name them by bucket
+
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
         self.options: Options = cfg.tier_options
@@ -124,10 +125,8 @@ class Strategy(base.Strategy):
         )
         state, hook = comm_hook(self.options)
         self.hook_state = state
-        if active() is not None:  # recording: see each bucket (the hooks below record themselves)
-            self.ddp.register_comm_hook(state, allreduce_hook if hook is None else recording_hook(hook))
-        elif hook is not None:
-            self.ddp.register_comm_hook(state, hook)
+        if hook is not None:  # its calls are tagged with their bucket (a recorder sees them as any other)
+            self.ddp.register_comm_hook(state, tag_ddp_hook(hook))
         # Otherwise DDP's own C++ all-reduce: a Python hook would take the GIL in the reducer's thread per bucket.
         return self.ddp
 

@@ -37,8 +37,6 @@ from dtlab.core.failures import NoPeerToRecover
 from dtlab.core.job import OptimizerFactory, build_job
 from dtlab.core.registry import TierSpec
 from dtlab.core.replica import identity
-from dtlab.instrument.ddp_hooks import allreduce_hook
-from dtlab.instrument.recorder import active
 from dtlab.tiers import base, replicas
 
 __all__ = ["Options", "SPEC", "Strategy", "fragment_modules", "validate"]
@@ -102,6 +100,8 @@ def preflight(cfg: RunConfig) -> None:
 class Strategy(base.Strategy):
     """The job's optimizer as DiLoCo's inner optimizer; a Nesterov SGD per fragment as the outer one."""
 
+    comm_channels = ("ddp_buckets",)  # the inner steps' DDP
+
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         super().__init__(cfg, info)
         self.ident, self.options = identity(), cfg.tier_options
@@ -122,10 +122,7 @@ class Strategy(base.Strategy):
         self.model = model
         if self.info.world_size == 1:
             return model
-        ddp = DistributedDataParallel(model)  # inner steps: data parallel within the group
-        if active() is not None:
-            ddp.register_comm_hook(None, allreduce_hook)
-        return ddp
+        return DistributedDataParallel(model)  # inner steps: data parallel within the group
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.replicas)

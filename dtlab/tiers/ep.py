@@ -31,7 +31,6 @@ bias) to show it; it changes the model, so such a run does not match ``single``.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,7 @@ from dtlab.core.data import Dataset
 from dtlab.core.models import evaluate
 from dtlab.core.moe import MoE
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tagged
 from dtlab.tiers import base
 from dtlab.tiers.sharded import meta_copy, plain_copy
 
@@ -72,11 +71,6 @@ def validate(cfg: RunConfig) -> None:
                          f"or -1 for none")
 
 
-def _tagged(tag: str) -> contextlib.AbstractContextManager[Any]:
-    rec = active()  # None when the run records nothing
-    return rec.tagged(tag) if rec is not None else contextlib.nullcontext()
-
-
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back along the same routes."""
 
@@ -84,14 +78,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, received: list[int], sent: list[int], tag: str) -> torch.Tensor:
         ctx.received, ctx.sent, ctx.tag = received, sent, tag
         out = x.new_empty((sum(received), *x.shape[1:]))
-        with _tagged(tag):
+        with tagged(tag):
             dist.all_to_all_single(out, x.contiguous(), received, sent)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
-        with _tagged(f"{ctx.tag} (backward)"):
+        with tagged(f"{ctx.tag} (backward)"):
             dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received)
         return back, None, None, None
 
@@ -120,7 +114,7 @@ class Exchange:
     def exchange_counts(self, counts: list[int]) -> list[int]:
         mine = torch.tensor(counts, dtype=torch.int64)
         theirs = torch.empty_like(mine)
-        with _tagged(f"ep:counts:{self.name}"):
+        with tagged(f"ep:counts:{self.name}"):
             dist.all_to_all_single(theirs, mine)
         return theirs.tolist()
 
@@ -194,7 +188,7 @@ class Strategy(base.Strategy):
         n = self.info.world_size
         replicated = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in self.expert_ids]
         flat = torch.cat([g.reshape(-1) for g in replicated])  # one collective, not one per tensor
-        with _tagged("ep:replicated"):
+        with tagged("ep:replicated"):
             dist.all_reduce(flat)
         flat.div_(n)
         for grad, synced in zip(replicated, flat.split([g.numel() for g in replicated])):
@@ -213,7 +207,7 @@ class Strategy(base.Strategy):
         state = model.state_dict()
         mine = {k: state[k] for k in expert_names(model)}
         every: list[Any] = [None] * self.info.world_size
-        with _tagged("ep:gather"):
+        with tagged("ep:gather"):
             dist.all_gather_object(every, mine)
         assert self._template is not None, "wrap() first"
         full = {k: v for k, v in state.items() if ".experts." not in k}

@@ -57,7 +57,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 class Strategy(fsdp.Strategy):
-    functional_collectives = True
+    comm_channels = ("modules",)
     counts_gathered = False  # every parameter is a DTensor here, gathered or not: no comm_buffers reported
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:

@@ -41,7 +41,7 @@ from dtlab.core.failures import NoPeerToRecover
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.registry import TierSpec
 from dtlab.core.replica import identity
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tagged
 from dtlab.tiers import base, replicas
 
 __all__ = ["Options", "SPEC", "Strategy", "validate"]
@@ -122,8 +122,7 @@ class Strategy(base.Strategy):
             return
         grads = [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
-        rec = active()
-        with rec.tagged("ft_intra_replica") if rec is not None else _Nothing():
+        with tagged("ft_intra_replica"):
             dist.all_reduce(flat)
         flat /= self.info.world_size
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -176,14 +175,6 @@ def _ddp_class() -> type:
             return done
 
     return DistributedDataParallel
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 SPEC = TierSpec(name="ft", summary="torchft: replica groups average every step; a failed group rejoins from a peer",

@@ -35,7 +35,8 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN, Dataset
 from dtlab.core.memory import LiveActivations
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.functional import modules_untracked
+from dtlab.instrument.channels import modules_untracked
+from dtlab.instrument.recorder import tagged
 from dtlab.tiers import fsdp, pipeline, tp
 from dtlab.tiers.pipeline_stages import TimedStage
 from dtlab.tiers.sharded import meta_copy, plain_copy
@@ -115,16 +116,16 @@ def stage_plan(styles: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
 def _first_step_setup(init: Callable[..., Any]) -> Callable[..., Any]:
     """The schedule's shape exchange, tagged as the pipeline tier tags it, with the recorder's module tracker
     paused: its grad hooks break the ``autograd.grad`` that infers a stage's gradient shapes."""
-    tagged = pipeline._tagging(pipeline.SETUP_TAG)(init)
+    tagged_init = pipeline._tagging(pipeline.SETUP_TAG)(init)
 
     def setup(*args: Any, **kwargs: Any) -> Any:
         with modules_untracked():
-            return tagged(*args, **kwargs)
+            return tagged_init(*args, **kwargs)
     return setup
 
 
 class Strategy(pipeline.Strategy):
-    functional_collectives = True  # DTensor communicates within each row
+    comm_channels = ("modules",)  # tags DTensor's calls by layer: it communicates within each row
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
@@ -192,7 +193,7 @@ class Strategy(pipeline.Strategy):
     def _gather_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank 0 receives every later stage's full state from that stage's rank (stage, 0, 0), flattened."""
         o = self.options
-        with pipeline._tagged(pipeline.GATHER_TAG), torch.no_grad():
+        with tagged(pipeline.GATHER_TAG), torch.no_grad():
             if not self.info.is_main:
                 if self.coords[0] > 0 and self.coords[1:] == (0, 0):
                     entries = self.layout[self.coords[0]]  # in the state's own dtype: float64 stays float64

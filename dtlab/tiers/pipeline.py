@@ -20,7 +20,6 @@ device's gradient of the global-batch mean.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.memory import LiveActivations
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import tagged
 from dtlab.tiers import base
 from dtlab.tiers.pipeline_stages import LOOPED, MULTI_STAGE, V_SHAPED, placement, split_model
 from dtlab.tiers.pipeline_stages import TimedStage as _TimedStage  # its old name here (the nd tier uses it)
@@ -118,15 +117,10 @@ def _validate_microbatches(cfg: RunConfig, name: str) -> None:
 def _tagging(tag: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
         def tagged_init(*args: Any, **kwargs: Any) -> Any:
-            with _tagged(tag):
+            with tagged(tag):
                 return init(*args, **kwargs)
         return tagged_init
     return wrap
-
-
-def _tagged(tag: str) -> contextlib.AbstractContextManager[Any]:
-    rec = active()
-    return rec.tagged(tag) if rec is not None else contextlib.nullcontext()
 
 
 # -- the strategy -----------------------------------------------------------------------
@@ -248,7 +242,7 @@ class Strategy(base.Strategy):
         """Rank 0 receives every other rank's stages' state, flattened into one message per rank."""
         world = self.info.world_size
         held = placement(self.options.schedule, world, self.num_stages // world)
-        with _tagged(GATHER_TAG), torch.no_grad():
+        with tagged(GATHER_TAG), torch.no_grad():
             if not self.info.is_main:
                 mine = {k: v for s in self.stages for k, v in s.state_dict().items()}
                 dtype = _common_dtype([e for i in self.local for e in self.layout[i]])

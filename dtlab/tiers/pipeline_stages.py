@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
 from dtlab.core import models
 from dtlab.core.compat import pipeline_actions
 from dtlab.core.memory import LiveActivations
-from dtlab.instrument.recorder import active
+from dtlab.instrument.recorder import timed_phase
 
 __all__ = ["LOOPED", "MULTI_STAGE", "V_SHAPED", "TimedStage", "placement", "rank_actions", "rank_transfers",
            "split_model"]
@@ -146,7 +146,7 @@ class TimedStage(PipelineStage):
         self.compute_s = {"forward": 0.0, "backward": 0.0}
 
     def _timed(self, kind: str, chunk: int) -> contextlib.AbstractContextManager[Any]:
-        return _phase(f"pp_{kind}:{chunk + self.offset}@{self.stage_index}")
+        return timed_phase(f"pp_{kind}:{chunk + self.offset}@{self.stage_index}")
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -184,6 +184,3 @@ class TimedStage(PipelineStage):
             self.live.release((self.stage_index, chunk + self.offset))
 
 
-def _phase(name: str) -> contextlib.AbstractContextManager[Any]:
-    rec = active()  # None when the run records nothing: then there is nothing to time either
-    return rec.phase(name) if rec is not None else contextlib.nullcontext()

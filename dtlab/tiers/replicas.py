@@ -28,7 +28,7 @@ from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.registry import ReplicaPlan
 from dtlab.core.replica import HEARTBEAT_INTERVAL_MS, ReplicaIdentity
-from dtlab.instrument.pg_methods import record_methods
+from dtlab.instrument.recorder import tag_methods
 
 __all__ = ["FAULT_KINDS", "INSTALL", "NETWORKS", "Fault", "Faults", "QuorumLog", "ReplicaOptions", "make_manager",
            "parse_faults", "plan", "preflight", "require_torchft", "validate", "wait_for_all"]
@@ -245,8 +245,7 @@ def make_manager(cfg: RunConfig, info: DistInfo, ident: ReplicaIdentity, *, sync
     quorum_logger.addHandler(quorums)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     pg = torchft.ProcessGroupGloo(timeout=timeout)
-    record_methods(pg, "ft_cross_replica", ("allreduce",))
-    record_methods(pg, "ft_recovery", ("send", "recv"))
+    tag_methods(pg, {"allreduce": "ft_cross_replica", "send": "ft_recovery", "recv": "ft_recovery"})
     with _servers_bound_to(ident.host):
         manager = torchft.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.tier_options.min_replicas,

@@ -161,7 +161,7 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class Strategy(base.Strategy):
-    functional_collectives = True  # DTensor communicates through functional collectives
+    comm_channels = ("modules",)  # DTensor communicates inside layers: tag each call by its layer
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)

@@ -26,7 +26,6 @@ from dtlab.core.memory import (
 from dtlab.core.progress import report
 from dtlab.core.results import RankResult, params_to_bytes, provenance
 from dtlab.core.timing import StepClock
-from dtlab.instrument.functional import FunctionalRecorder
 from dtlab.instrument.recorder import CommRecorder, active
 from dtlab.tiers.base import Strategy
 
@@ -180,10 +179,10 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     if spec.strategy is None:
         raise ValueError(f"tier {cfg.tier!r} does not run the SPMD training loop: start it with dtlab.run(cfg)")
     strategy = spec.strategy(cfg, info)
-    # DTensor's collectives are C++ ops the recorder's wrappers never see: a dispatch mode records them
-    functional = strategy.functional_collectives and active() is not None
+    # The channels name calls that carry no tag of their own (a layer's DTensor collectives, DDP's buckets)
+    channels = strategy.comm_channels if active() is not None else ()
     try:
-        with FunctionalRecorder(recorder) if functional else _nothing():
+        with recorder.channels(channels):
             loop = _Loop(cfg, info, strategy, recorder)
             loop.run()
             return loop.result()
