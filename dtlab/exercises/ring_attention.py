@@ -155,7 +155,10 @@ class _BlockCount:
     for each rank's K and V values (and the keys pre-scaled by 1/sqrt(d)) in everything the code can reach.
     Why every line: the lines that issue a transfer, the ones after it returns or is waited on and the
     function's return are the moments a rank's holding changes; a peak between two transfers counts too.
-    Tensors the code cannot reach any more are freed, so what is reachable is what the rank holds."""
+    Tensors the code cannot reach any more are freed, so what is reachable is what the rank holds (and inside
+    the watch a new buffer is NaN until written, so freed memory handed back shows no block). Why not the
+    process's memory: CPU allocations have no counter to read, and a count of bytes would blur a 768-byte
+    block among gloo's buffers and torch's own scratch; values say whose block it is."""
 
     def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.parts = Fingerprints([t for k, v in blocks for t in (k, v, k / math.sqrt(HEAD_DIM))])  # K, V, K/√d
