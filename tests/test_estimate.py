@@ -10,7 +10,7 @@ import torch
 from dtlab import RunConfig, run
 from dtlab.analysis.estimate import KINDS, compare, estimate
 from dtlab.analysis.estimate.activations import activation_bytes, shapes
-from dtlab.analysis.estimate.memory import zero_partition
+from dtlab.analysis.estimate.memory import ADAM_STEP_BYTES, zero_partition
 from dtlab.app.cli import main
 from dtlab.core import models
 from dtlab.core.job import build_job
@@ -24,6 +24,8 @@ JOBS = {
     "charformer-recompute": {"model": "charformer", "dataset": "text", "model_size": 32, "model_depth": 3,
                              "activation_checkpointing": True},
     "charformer-bf16": {"model": "charformer", "dataset": "text", "model_size": 32, "precision": "bf16"},
+    "mlp-float64": {"model": "mlp", "model_size": 96, "dtype": "float64"},
+    "charformer-float64": {"model": "charformer", "dataset": "text", "model_size": 32, "dtype": "float64"},
 }
 
 
@@ -37,6 +39,16 @@ def test_fake_forward_saves_what_a_real_forward_saves(job):
     measured = acts.bytes(exclude=model.parameters())
     assert measured > 0
     assert activation_bytes(cfg, shapes(cfg), 16) == measured
+
+
+def test_float64_doubles_the_parameters_and_their_state():
+    base = {"model": "charformer", "dataset": "text", "model_size": 32, "tier": "ddp", "world_size": 2}
+    single, double = (estimate(RunConfig(**base, dtype=d)).memory for d in ("float32", "float64"))
+    for kind in ("parameters", "gradients"):  # activations hold integer tensors too: the fake-forward test above
+        assert double[kind] == 2 * single[kind], kind
+    # Adam's moments double; its per-parameter step count stays a float32 scalar
+    tensors = len(list(build_job(RunConfig(**base), torch.device("cpu"))[0].parameters()))
+    assert double["optimizer_state"] == 2 * single["optimizer_state"] - ADAM_STEP_BYTES * tensors
 
 
 def test_recompute_and_bf16_are_seen():

@@ -14,17 +14,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import routing
+from dtlab.core.job import load_data, routing, torch_dtype
 from dtlab.core.memory import SavedActivations
 from dtlab.core.moe import Routing, routing_of
 
@@ -40,7 +39,7 @@ class Shapes:
 
 
 def shapes(cfg: RunConfig) -> Shapes:
-    data = datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed)
+    data = load_data(cfg)  # floating-point inputs in the job's dtype
     x, y = data.train_x[0], data.train_y[0]
     return Shapes(tuple(data.input_shape), x.dtype, tuple(y.shape), data.num_classes)
 
@@ -51,13 +50,23 @@ def fake_model(cfg: RunConfig, s: Shapes, mode: FakeTensorMode) -> nn.Module:
     A MoE layer's routing depends on values fake tensors lack: it assigns the tokens evenly
     (``even_assign``), which leaves a dropless layer's saved bytes as they are: the experts'
     rows add up to tokens x k however they are shared."""
-    with mode:
+    with mode, default_dtype(torch_dtype(cfg)):  # made in the job's dtype: converting fake parameters fails
         model = models.build(cfg.model, s.input_shape, s.num_classes, cfg.model_size, cfg.model_depth, routing(cfg))
         if cfg.activation_checkpointing:
             models.checkpoint_blocks(model)
     for layer in routing_of(model):
         layer.assign = functools.partial(even_assign, layer.routing)
     return model
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def even_assign(r: Routing, expert_of: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
