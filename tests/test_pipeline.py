@@ -54,8 +54,8 @@ def test_naive_split_matches_single(microbatches, optimizer):
 
 
 def test_four_stages_match_single():
-    # Adam at lr 0.01 on this deeper mlp amplifies rounding (DDP diverges as much): see test_parity.
-    cfg = job("adam", model_depth=4).replace(lr=0.003)
+    # Adam at lr 0.01: 2.2e-6 from single here (2026-12-06); float64 holds every schedule to 1e-10
+    cfg = job("adam", model_depth=4)
     assert pipelined(cfg, "1f1b", 4, world_size=4).max_param_diff(single(cfg)) <= TOL
 
 
