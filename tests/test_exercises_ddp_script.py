@@ -45,10 +45,12 @@ SAMPLER_NOT_IN_THE_LOADER = edited(  # the files say each rank's share; the load
      "    loader = DataLoader(dataset, batch_size=4, shuffle=True)"))
 NO_SAMPLER = edited(  # every rank shuffles the whole data set, and says so
     ("    sampler = DistributedSampler(dataset, shuffle=True, seed=0)", ""),
-    ("    loader = DataLoader(dataset, batch_size=4, sampler=sampler)", "    loader = DataLoader(dataset, batch_size=4)"),
-    ("        sampler.set_epoch(epoch)", "        torch.manual_seed(epoch)\n        order = torch.randperm(len(dataset))"),
+    ("sampler=sampler)", "shuffle=False)"),
+    ("        sampler.set_epoch(epoch)",
+     "        torch.manual_seed(epoch)\n        order = torch.randperm(len(dataset))"),
     ("json.dump(list(sampler), f)", "json.dump(order.tolist(), f)"),
-    ("        for x, y in loader:", "        for x, y in DataLoader(torch.utils.data.Subset(dataset, order), batch_size=4):"))
+    ("        for x, y in loader:",
+     "        for x, y in DataLoader(torch.utils.data.Subset(dataset, order), batch_size=4):"))
 NO_PROCESS_GROUP = edited(('    dist.init_process_group("gloo")', "    pass"))
 DDP_BYPASSED = edited(  # the wrapper is built, but the training steps call the module inside it
     ("    for x, y in loader:\n            optimizer.zero_grad()\n            F.cross_entropy(model(x), y)",

@@ -321,6 +321,12 @@ def bucketed_closing_at_the_cap(model, bucket_bytes):
     return bucketed(model, [b for b in buckets if b])
 
 
+def test_packing_by_the_exercise_rule_and_by_ddps_own():
+    sizes = bucketed_ddp.ready_order_bytes()
+    assert bucketed_ddp.pack(sizes, 2048) == [1504, 3072, 128, 2048]
+    assert bucketed_ddp.pack(sizes, 2048, ddp_rule=True) == [4576, 2176]  # a bucket closes once it reaches its cap
+
+
 # -- the correct solutions pass at every world size --------------------------------------------------------------
 @launches_ranks
 @pytest.mark.parametrize("module,fn", [(ring_allreduce, ring_prebound), (naive_ddp, ddp_prebound),

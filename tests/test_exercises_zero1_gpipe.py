@@ -274,6 +274,33 @@ def gpipe_micro_batches_reversed(stage, micro_batches, targets, loss_fn):
     return gpipe(stage, micro_batches, targets, loss_fn)
 
 
+# -- weighing what a rank keeps (in this process, no launch) -----------------------------------------------------
+HIDDEN = []
+
+
+class Box:
+    def __init__(self, t):
+        self.t = t
+
+
+def test_kept_weighs_each_storage_once_wherever_it_is_held():
+    params = [torch.zeros(10), torch.zeros(20)]
+    before = zero1_step.live_tensors()
+    m = torch.zeros(100)
+    state = {"m": m, "view": m[:50], "detached": m.detach(), "box": Box(torch.zeros(25)), "t": 3,
+             "param": params[0].detach()}  # a view of a parameter: its storage is the parameter's
+    HIDDEN.append(torch.zeros(40))  # a global, outside the state dict
+    params[1].grad = torch.ones(20)  # a gradient left in a .grad
+    try:
+        kept = zero1_step.kept(state, before, params)
+    finally:
+        HIDDEN.clear()
+        params[1].grad = None
+    assert kept.in_state == 4 * 100 + 4 * 25 + 8  # m once (its views add nothing), the box's tensor, the int
+    assert kept.outside == 4 * 40 + 4 * 20 and kept.in_grads == 4 * 20
+    assert (100,) in kept.shapes and (50,) not in kept.shapes  # a storage's largest tensor names it
+
+
 # -- the correct solutions pass at every world size --------------------------------------------------------------
 @launches_ranks
 @pytest.mark.parametrize("module,fn", [(zero1_step, zero1_prebound), (zero1_step, zero1_with_a_flat_shard_prebound),
