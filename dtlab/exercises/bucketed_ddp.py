@@ -98,12 +98,13 @@ DESCRIPTION = (
     "bytes, in which case it opens a new bucket (a gradient bigger than bucket_bytes gets a bucket of its own). "
     "Rules: in every step exactly one dist.all_reduce per bucket, carrying that bucket's bytes (its gradients as "
     "one flat tensor), and no other call; each one asynchronous (async_op=True) and issued while loss.backward() "
-    "is still running, not after it returns. Checked at world sizes 2 and 3 (bucket_bytes "
+    "is still running, not after it returns, and not before backward has computed every gradient it carries. "
+    "Checked at world sizes 2 and 3 (bucket_bytes "
     f"{BUCKET_BYTES[2]:,} and {BUCKET_BYTES[3]:,}) over {STEPS} steps of an MLP with layers "
     f"{' -> '.join(map(str, WIDTHS))}: every rank's gradients after finish() and the parameters after every step "
     f"against one process training on the whole batch (within {TOL:g}); the all_reduces of every step, one per "
     "bucket with the bucket's bytes, nothing else; and the overlap: asynchronous, issued before loss.backward() "
-    "returned."
+    "returned, each after its gradients were computed."
 )
 
 HINTS = (
