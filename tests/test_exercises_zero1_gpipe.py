@@ -66,6 +66,19 @@ def zero1_prebound(params, grads, state, lr):
         broadcast(p, src=i % get_world_size())
 
 
+def zero1_with_torch_adam_on_its_share(params, grads, state, lr):
+    """torch.optim.Adam over the parameters this rank owns; their gradients stay in .grad between calls (1/n)."""
+    rank, n = get_rank(), get_world_size()
+    owned = range(rank, len(params), n)
+    if "adam" not in state:
+        state["adam"] = torch.optim.Adam([params[i] for i in owned], lr=lr)
+    for i in owned:
+        params[i].grad = grads[i]
+    state["adam"].step()
+    for i, p in enumerate(params):
+        broadcast(p, src=i % n)
+
+
 def zero1_all_reducing(params, grads, state, lr):
     """Each owner updates its parameters, the others zero theirs, and one all_reduce per parameter sums them."""
     rank, n = get_rank(), get_world_size()
@@ -304,8 +317,10 @@ def test_kept_weighs_each_storage_once_wherever_it_is_held():
 # -- the correct solutions pass at every world size --------------------------------------------------------------
 @launches_ranks
 @pytest.mark.parametrize("module,fn", [(zero1_step, zero1_prebound), (zero1_step, zero1_with_a_flat_shard_prebound),
+                                       (zero1_step, zero1_with_torch_adam_on_its_share),
                                        (gpipe_schedule, gpipe_prebound), (gpipe_schedule, gpipe_async_prebound)],
-                         ids=["zero1_step", "zero1_step-flat_shard", "gpipe_schedule", "gpipe_schedule-async"])
+                         ids=["zero1_step", "zero1_step-flat_shard", "zero1_step-torch_adam", "gpipe_schedule",
+                              "gpipe_schedule-async"])
 def test_a_solution_calling_names_imported_from_torch_distributed_passes(module, fn):
     result = check(module, fn, module.EXERCISE.world_sizes)
     assert result.passed, result.feedback
