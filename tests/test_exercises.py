@@ -443,34 +443,34 @@ def test_the_stub_fails_saying_what_to_write(name, says):
 @launches_ranks
 def test_ring_rejects_a_collective():
     feedback = exercises.check("ring_allreduce", ring_with_all_reduce).feedback
-    assert "rank 0 called dist.all_reduce with 7 elements" in feedback and "only point-to-point" in feedback
+    assert "rank 0 called dist.all_reduce with 12 elements" in feedback and "only point-to-point" in feedback
 
 
 @launches_ranks
 def test_ring_rejects_wrong_values_and_points_at_the_missing_all_gather():
     feedback = exercises.check("ring_allreduce", ring_without_all_gather).feedback
-    assert feedback.startswith("World size 2: rank 0 holds wrong values with 7 elements: at index 0")
-    assert "Only chunk 1 (elements 4 to 6) holds the sum" in feedback and "all-gather phase" in feedback
+    assert feedback.startswith("World size 2: rank 0 holds wrong values with 12 elements: at index 0")
+    assert "Only chunk 1 (elements 6 to 11) holds the sum" in feedback and "all-gather phase" in feedback
 
 
 @launches_ranks
 def test_ring_rejects_a_pattern_that_is_not_a_ring():
     feedback = exercises.check("ring_allreduce", gather_to_rank_0).feedback  # a ring at n=2; not at n=3
-    assert feedback.startswith("World size 3: rank 0 received from rank 1 in round 1 with 7 elements")
+    assert feedback.startswith("World size 3: rank 0 received from rank 1 in round 1 with 12 elements")
     assert "rank r receives only from r - 1 (here rank 2)" in feedback
 
 
 @launches_ranks
 def test_ring_rejects_sending_more_than_a_ring_needs():
     feedback = exercises.check("ring_allreduce", whole_tensor_around_the_ring, world_sizes=(3,)).feedback
-    assert "rank 0 sent 56 bytes for a tensor of 7 elements (28 bytes)" in feedback
+    assert "rank 0 sent 96 bytes for a tensor of 12 elements (48 bytes)" in feedback
     assert "2(n - 1)/n = 1.33 of the tensor" in feedback and "one chunk per round" in feedback
 
 
 @launches_ranks
 def test_a_deadlock_ends_after_the_timeout_naming_the_call_and_its_peer():
     feedback = exercises.check("ring_allreduce", ring_that_sends_first, world_sizes=(2,), timeout_s=2).feedback
-    assert "timed out waiting in send to rank" in feedback and "with 7 elements" in feedback
+    assert "timed out waiting in send to rank" in feedback and "with 12 elements" in feedback
     assert ") after 2 s: every send needs a matching receive" in feedback and "batch_isend_irecv" in feedback
 
 

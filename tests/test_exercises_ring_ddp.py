@@ -94,6 +94,19 @@ def ring_to_the_left(t):
         exchange(chunks[(rank - 1 + s) % n], (rank - 1) % n, chunks[(rank + s) % n], (rank + 1) % n)
 
 
+def ring_with_the_neighbours_swapped(t):
+    """The ring's chunks, sent to r - 1 and received from r + 1: at world size 3 the chunks that meet differ in
+    size where the length does not divide by 3, and gloo aborts the rank."""
+    rank, n = get_rank(), get_world_size()
+    chunks = t.tensor_split(n)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        exchange(chunks[(rank - s) % n], (rank - 1) % n, incoming, (rank + 1) % n)
+        chunks[(rank - s - 1) % n].add_(incoming)
+    for s in range(n - 1):
+        exchange(chunks[(rank + 1 - s) % n], (rank - 1) % n, chunks[(rank - s) % n], (rank + 1) % n)
+
+
 def ring_returning_the_sum(t):
     out = t.clone()
     ring(out)
@@ -338,18 +351,20 @@ def test_a_solution_calling_names_imported_from_torch_distributed_passes(module,
 
 # -- the wrong ones fail, each saying why ------------------------------------------------------------------------
 # Each wrong solution, the world size it is checked at, and the words its feedback must contain.
-COLLECTIVE = "called dist.all_reduce with 7 elements: this exercise allows only point-to-point calls"
+COLLECTIVE = "called dist.all_reduce with 12 elements: this exercise allows only point-to-point calls"
 WRONG = {
     ring_allreduce: {
         ring_one_all_reduce: (2, ["World size 2: rank 0 " + COLLECTIVE]),
         ring_traffic_around_a_hidden_all_reduce: (2, ["World size 2: rank 0 " + COLLECTIVE]),
-        ring_one_round_too_many: (3, ["rank 0 sent 68 bytes for a tensor of 10 elements", "made 5 sends where a ring "
+        ring_one_round_too_many: (3, ["rank 0 sent 80 bytes for a tensor of 12 elements", "made 5 sends where a ring "
                                       "makes 2(n - 1) = 4, one per round: one round too many"]),
-        ring_one_gather_round_short: (3, ["rank 0 holds wrong values with 7 elements", "Chunks 0 and 1 of 3 hold the "
+        ring_one_gather_round_short: (3, ["rank 0 holds wrong values with 12 elements", "Chunks 0 and 1 of 3 hold the "
                                           "sum, chunk 2 does not", "made 3 sends where a ring makes 2(n - 1) = 4, "
                                           "one per round: one round missing"]),
-        ring_to_the_left: (3, ["World size 3: rank 0 sent to rank 2 in round 1 with 7 elements; in a ring, rank r "
+        ring_to_the_left: (3, ["World size 3: rank 0 sent to rank 2 in round 1 with 12 elements; in a ring, rank r "
                                "sends only to r + 1 (here rank 1)."]),
+        ring_with_the_neighbours_swapped: (3, ["World size 3: rank 0 sent to rank 2 in round 1 with 12 elements; in "
+                                               "a ring, rank r sends only to r + 1 (here rank 1)."]),
         ring_returning_the_sum: (2, ["Your function returned the sum but left t as it was"]),
         ring_averaging: (2, ["t holds the sum divided by the world size (2), a mean"]),
     },
@@ -412,6 +427,6 @@ def test_a_wrong_solution_fails_naming_its_cause(module, fn, verdicts):
 def test_every_rank_sending_first_hangs_and_the_report_names_the_call_and_its_peer():
     feedback = check(ring_allreduce, ring_sending_first, timeout_s=2).feedback
     named = ("rank 0 timed out waiting in send to rank 1", "rank 1 timed out waiting in send to rank 0")  # either
-    assert feedback.startswith(tuple(f"World size 2: {words} (its 1st call, with 7 elements; in ring_sending_first"
+    assert feedback.startswith(tuple(f"World size 2: {words} (its 1st call, with 12 elements; in ring_sending_first"
                                      for words in named)), feedback
     assert "after 2 s: every send needs a matching receive" in feedback
