@@ -285,3 +285,20 @@ def test_chrome_trace_has_one_process_per_rank():
     assert spans[1]["dur"] == pytest.approx(0.5e6)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert names == {"rank 0", "rank 1"}
+
+
+def nothing_kept(info):
+    import gc
+    import weakref
+
+    t = torch.ones(1000)
+    ref = weakref.ref(t)
+    work = dist.all_reduce(t, async_op=True)
+    work.get_future().wait()  # complete, never waited on through the Work
+    del t, work
+    gc.collect()
+    return ref() is None, len(instrument.active()._in_flight)
+
+
+def test_the_recorder_keeps_no_tensor_of_a_completed_call_alive():
+    assert dtlab.launch(nothing_kept, 2, progress=False) == [(True, 0), (True, 0)]

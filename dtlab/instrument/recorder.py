@@ -198,7 +198,8 @@ class CommRecorder:
         if work is None:
             event.finish(self.now())
             return
-        self._in_flight[id(work)] = (work, event)
+        key = id(work)
+        self._in_flight[key] = (work, event)  # until waited on or complete: the Work holds the call's tensors
         try:
             future = work.get_future()
         except RuntimeError:  # gloo's send/recv works have no future: their wait() ends them
@@ -206,6 +207,7 @@ class CommRecorder:
 
         def done(_: Any) -> None:
             event.finish(time.perf_counter())
+            self._in_flight.pop(key, None)  # a wait() after this one blocks on nothing
 
         future.add_done_callback(done)
 
