@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dtlab import tiers
-from dtlab.app import cli
+from dtlab.app import cli, saving
 from dtlab.app.cli import main
 from dtlab.core import options
 from dtlab.core.results import RunResult, load_params
@@ -122,12 +122,12 @@ def test_a_bad_flag_value_is_one_line_too(capsys):
 
 def test_a_good_out_folder_is_checked_without_a_trace(tmp_path):
     folder = tmp_path / "a" / "b" / "run"
-    assert cli.check_writable(folder, "--out") == folder
+    assert saving.check_writable(folder, "--out") == folder
     assert not (tmp_path / "a").exists()  # the probe's folders are removed again
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ValueError, match="--out .*file/run: cannot create"):
-        cli.check_writable(blocker / "run", "--out")
+        saving.check_writable(blocker / "run", "--out")
 
 
 def test_a_failing_save_keeps_the_finished_run(tmp_path, monkeypatch, capsys):
@@ -140,7 +140,7 @@ def test_a_failing_save_keeps_the_finished_run(tmp_path, monkeypatch, capsys):
             saved.append(Path(out))
             return Path(out)
 
-    folder, ok = cli.save_result(Result(), tmp_path / "run")
+    folder, ok = saving.save_result(Result(), tmp_path / "run")
     assert not ok and saved == [folder] and folder.is_dir()
     err = capsys.readouterr().err
     assert f"could not write --out {tmp_path / 'run'} (Permission denied)" in err and str(folder) in err

@@ -24,7 +24,7 @@ from torch.distributed import (
     send,
 )
 
-from dtlab.exercises import gpipe_schedule, zero1_step
+from dtlab.exercises import _weigh, gpipe_schedule, zero1_step
 from dtlab.exercises._check import CheckResult, run_check
 from tests.exercise_batch import check_each
 
@@ -298,14 +298,14 @@ class Box:
 
 def test_kept_weighs_each_storage_once_wherever_it_is_held():
     params = [torch.zeros(10), torch.zeros(20)]
-    before = zero1_step.live_tensors()
+    before = _weigh.live_tensors()
     m = torch.zeros(100)
     state = {"m": m, "view": m[:50], "detached": m.detach(), "box": Box(torch.zeros(25)), "t": 3,
              "param": params[0].detach()}  # a view of a parameter: its storage is the parameter's
     HIDDEN.append(torch.zeros(40))  # a global, outside the state dict
     params[1].grad = torch.ones(20)  # a gradient left in a .grad
     try:
-        kept = zero1_step.kept(state, before, params)
+        kept = _weigh.kept(state, before, params)
     finally:
         HIDDEN.clear()
         params[1].grad = None

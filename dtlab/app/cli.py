@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +13,7 @@ from dtlab.analysis import estimate, flight
 from dtlab.analysis.compare import compare, figures, format_table
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.app.bench import BENCH_DOC, run_all, update_doc
+from dtlab.app.saving import check_writable, fallback, save_result
 from dtlab.core import options
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
@@ -94,47 +91,6 @@ def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> Ru
         aux_loss_coef=args.aux_loss_coef, flight_recorder=getattr(args, "flight_recorder", False),
         tier_options=tier_options(tier, args.opt),
     )
-
-
-def check_writable(folder: str | os.PathLike[str], flag: str) -> Path:
-    """Make sure ``folder`` can be created and written, before any process starts; leaves no trace.
-
-    ValueError naming ``flag`` otherwise: a run that trains for minutes and then cannot save loses its results.
-    """
-    out = Path(folder)
-    missing = []  # the folders this check creates, deepest first, removed again afterwards
-    for parent in (out, *out.parents):
-        if parent.exists() or parent.is_symlink():
-            break
-        missing.append(parent)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".dtlab-probe-"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{flag} {folder}: cannot create or write this folder ({exc.strerror or exc})") from None
-    finally:
-        for made in missing:
-            with contextlib.suppress(OSError):
-                made.rmdir()
-    return out
-
-
-def _fallback(out: str | os.PathLike[str], exc: OSError, write: Callable[[Path], Any]) -> Path:
-    """After a failed save: write into a new temporary folder instead, and say so (one line on stderr)."""
-    folder = Path(tempfile.mkdtemp(prefix="dtlab-results-"))
-    write(folder)
-    print(f"error: could not write --out {out} ({exc.strerror or exc}); the results are saved in {folder} instead",
-          file=sys.stderr)
-    return folder
-
-
-def save_result(result: RunResult, out: str | os.PathLike[str]) -> tuple[Path, bool]:
-    """``result.save(out)``; if that fails, into a new temporary folder (said on stderr). (folder, saved in out?)"""
-    try:
-        return result.save(out), True
-    except OSError as exc:
-        return _fallback(out, exc, result.save), False
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -216,7 +172,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             _save_compare(Path(args.out), table, done)
         except OSError as exc:
-            folder = _fallback(args.out, exc, lambda f: _save_compare(f, table, done))
+            folder = fallback(args.out, exc, lambda f: _save_compare(f, table, done))
             print(f"wrote {folder}/compare.csv and one folder per run")
             return 1
         print(f"wrote {args.out}/compare.csv and one folder per run")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dtlab.exercises._check import Call, max_abs, ops_used
+from dtlab.exercises._check import Call, ops_used
+from dtlab.exercises._values import max_abs
 
 TOKENS, WIDTH, EXPERTS = 12, 4, 8  # per rank: 12 tokens of 4 values; 8 experts, 4 per rank at n = 2, 2 at n = 4
 WORLD_SIZES = (2, 4)

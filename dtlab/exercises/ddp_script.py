@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.exercises._check import CheckResult, ScriptExercise, max_abs
+from dtlab.exercises._check import CheckResult, ScriptExercise
+from dtlab.exercises._values import max_abs
 from dtlab.launch.torchrun import free_port, kill_session
 
 NAME = "ddp_script"

@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.exercises._check import Call, Exercise, ExerciseError, call_learner, ceil_div, max_abs, sgd_reference
+from dtlab.exercises._check import Call, Exercise, ExerciseError, call_learner, ceil_div
 from dtlab.exercises._fsdp_kept import GATHERS, SCATTERS, Seen, kept_whole, padding_problem
 from dtlab.exercises._reach import places, tensors_made
+from dtlab.exercises._values import max_abs, sgd_reference
 
 GLOBAL_BATCH = 24  # divisible by 2 and 4: every rank gets an equal part
 FEATURES, WIDTH, CLASSES = 7, 10, 3  # 113 parameters, a prime: padded at every world size

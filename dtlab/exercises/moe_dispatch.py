@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlab.exercises._check import Exercise, ExerciseError, call_learner, max_abs, ops_used, torch_call
+from dtlab.exercises._check import Exercise, ExerciseError, call_learner, ops_used, torch_call
 from dtlab.exercises._moe_check import (
     CASES,
     EXPERTS,
@@ -41,6 +41,7 @@ from dtlab.exercises._moe_check import (
     splits_of,
 )
 from dtlab.exercises._reach import Fingerprints, Found, HeldWatch, held_values, places
+from dtlab.exercises._values import max_abs
 
 DESCRIPTION = (
     "Write fn(x: torch.Tensor, expert_of: torch.Tensor, experts) -> torch.Tensor: one mixture-of-experts layer's "

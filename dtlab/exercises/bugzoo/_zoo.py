@@ -19,7 +19,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dtlab.core.failures import RankError
 from dtlab.core.flight_diagnosis import diagnose
 from dtlab.core.results import RankResult, RunResult
-from dtlab.exercises._check import Call, CheckResult, call_learner, failure_feedback, max_abs
+from dtlab.exercises._check import Call, CheckResult, call_learner, failure_feedback
+from dtlab.exercises._values import max_abs
 from dtlab.exercises.bugzoo import kit
 from dtlab.instrument.recorder import active
 from dtlab.launch.local import launch
