@@ -2,8 +2,9 @@
 
 (a) Collective loops at world size 2 in one launch: per round, the ranks time
     the same work with the recorder off (no recorder started, so none of its
-    dispatcher kernels is registered) and on (a fresh ``CommRecorder``): DDP-style gradient buckets (25 MB in 4 buckets, issued
-    async and waited through their futures, as DDP's comm hook does), many
+    dispatcher kernels is registered) and on (a fresh ``CommRecorder``):
+    DDP-style gradient buckets (25 MB in 4 buckets, issued async and waited
+    through their futures, as DDP's reducer does), many
     small 4 KB all-reduces (where a per-call cost shows most), and FSDP2-style
     units (per unit, synchronous as FSDP2 runs them on CPU: an all-gather for
     forward, another for backward and a reduce-scatter of the gradient, 4 MB
@@ -14,20 +15,19 @@
     steps of tens of ms), launched with ``record=True`` and ``record=False``
     alternately; the measure is the median steady-state step time.
 
-(c) The same for the ``tp`` tier (charformer, world 2), where recording adds a
-    ``TorchDispatchMode`` (a Python call per aten op) to see DTensor's functional
-    collectives. Reported apart (``instrument_overhead.tp``, no target): it is the
-    price of seeing tensor parallelism's collectives, paid only by recorded runs.
+(c) The same for the ``tp`` tier (charformer, world 2), where recording also opens
+    the ``modules`` channel (torch's ModTracker: module hooks that name the layer
+    issuing each DTensor collective). Reported apart (``instrument_overhead.tp``, no
+    target), as it was when a dispatch mode recorded these collectives.
 
 Reported: the median over rounds of instrumented / plain for each, with a 90 %
 bootstrap interval of that median and the range of the per-round ratios, and the
 worst of the medians of (a) and (b) as the headline, saying whether its interval
 excludes the target (if not, the run cannot tell the recorder's cost from noise).
 With ``record=False`` dtlab still times its compute phases
-(``recorder.phase``), and its ddp tier keeps DDP's built-in C++ all-reduce
-instead of the Python comm hook that records each bucket: (b) measures the cost
-of recording the collectives, hook included, not of the phase timers, which
-dtlab cannot switch off.
+(``recorder.phase``) and registers no dispatcher kernel; DDP runs its built-in C++
+all-reduce either way (recording needs no comm hook): (b) measures the cost of
+recording the collectives, not of the phase timers, which dtlab cannot switch off.
 
     .venv/bin/python benchmarks/instrument_overhead.py [--quick] [--out results/bench] [--repeats N]
 """
@@ -217,7 +217,7 @@ def main() -> None:
               + f"; {worst_key}: {common.resolution(parts[worst_key], TARGET)}")
     common.result_line(NAME, worst, f"<= {TARGET}", quick=args.quick, detail=detail, passed=worst <= TARGET)
     tp = measure_tp(args.quick, common.repeats(args, full=8, quick=1))
-    common.result_line(f"{NAME}.tp", common.median(tp), "none: the dispatch mode's cost", quick=args.quick,
+    common.result_line(f"{NAME}.tp", common.median(tp), "none: the modules channel's cost", quick=args.quick,
                        detail=f"tp training, charformer, world 2: instrumented / plain per round {common.spread(tp)}")
 
 
