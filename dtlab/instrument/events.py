@@ -27,8 +27,10 @@ class Event:
         self.is_async, self.tag, self.step, self.extra = is_async, tag, step, extra
 
     def finish(self, when: float) -> None:
-        """Seen complete at ``when`` (the latest sighting wins: a wait returns after the future fired)."""
-        if self.end is None or self.end < when:
+        """Seen complete at ``when``. Every sighting is no earlier than the completion, so the earliest wins:
+        a future's callback waits for the GIL (up to its 5 ms switch interval) while the thread that waited
+        runs on, and a wait may come long after the op ended."""
+        if self.end is None or when < self.end:
             self.end = when
 
     def row(self, clock_offset: float = 0.0) -> dict[str, Any]:
