@@ -12,8 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from dtlab.exercises._check import Exercise, ExerciseError
 from dtlab.launch.local import launch
+
+
+def launches_ranks(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a test that starts rank processes: slow, and failed if any rank outlives it."""
+    return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
 
 
 def _each(info: Any, on_rank: Callable[..., Any], fns: list[Callable[..., Any]]) -> list[tuple[bool, Any]]:

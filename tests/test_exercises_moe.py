@@ -18,14 +18,9 @@ from dtlab import exercises
 from dtlab.exercises import moe_dispatch
 from dtlab.exercises._check import run_check
 from dtlab.exercises._moe_check import CASES, EXPERTS, TOKENS, route_of, routing
-from tests.exercise_batch import check_each
+from tests.exercise_batch import check_each, launches_ranks
 
 EX = moe_dispatch.EXERCISE
-
-
-def launches_ranks(test):
-    """Starts rank processes: slow, and no process may outlive it."""
-    return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
 
 
 def check(fn, world_sizes=(2, 4), timeout_s=10):

@@ -19,13 +19,7 @@ from torch.distributed import all_gather as gather_every_block
 
 from dtlab.exercises import ring_attention
 from dtlab.exercises._check import run_check
-from tests.exercise_batch import check_each
-
-
-def launches_ranks(test):
-    """Starts rank processes: slow, and no process may outlive it."""
-    return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
-
+from tests.exercise_batch import check_each, launches_ranks
 
 EX = ring_attention.EXERCISE
 

@@ -27,12 +27,7 @@ from torch.distributed import (
 
 from dtlab.exercises import bucketed_ddp, naive_ddp, ring_allreduce
 from dtlab.exercises._check import CheckResult, run_check
-from tests.exercise_batch import check_each
-
-
-def launches_ranks(test):
-    """Starts rank processes: slow, and no process may outlive it."""
-    return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
+from tests.exercise_batch import check_each, launches_ranks
 
 
 def check(module, fn, world_sizes=(2,), timeout_s=10.0) -> CheckResult:

@@ -18,15 +18,10 @@ from torch.distributed import all_gather_into_tensor, all_reduce, get_rank, get_
 
 from dtlab.exercises import fsdp_unit, tp_mlp
 from dtlab.exercises._check import CheckResult, run_check
-from tests.exercise_batch import check_each
+from tests.exercise_batch import check_each, launches_ranks
 
 EXERCISES = (tp_mlp, fsdp_unit)
 NAMES = ["tp_mlp", "fsdp_unit"]
-
-
-def launches_ranks(test):
-    """Marks a test that starts rank processes: slow, and failed if any rank outlives it."""
-    return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
 
 
 def check(module, fn, world_sizes=(2,)) -> CheckResult:
