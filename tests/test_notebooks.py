@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,8 @@ def _offline(cmd: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot(tmp_path):
+def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot_and_a_formula(tmp_path):
+    from tests.test_book_formulas import REMOTE
     from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _missing
 
     executions(NOTEBOOKS, EXECUTIONS, execute_missing=True, say=print)  # only those the test above did not run
@@ -70,9 +70,12 @@ def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot(tmp
     assert done.returncode == 0, done.stdout + done.stderr
     pages = sorted((out / "notebooks").glob("*.html"))
     assert [p.stem for p in pages] == [p.stem for p in NOTEBOOKS]
-    assert len(list((out / "docs").glob("*.html"))) >= 3
-    for page in [out / "index.html", *pages]:
-        assert not re.search(r'<(?:script|link|img)[^>]+(?:src|href)="https?://', page.read_text()), page.name
+    docs = sorted((out / "docs").glob("*.html"))
+    assert len(docs) >= 3
+    for page in [out / "index.html", *pages, *docs]:
+        assert not REMOTE.search(page.read_text()), page.name  # nothing loaded from a CDN, MathJax included
+    with_formulas = [page for page in [*pages, *docs] if "<msub>" in page.read_text()]
+    assert with_formulas, "notebook 16's load-balancing loss is a formula with subscripts, rendered as MathML"
     compare = (out / "notebooks" / "11_compare.html").read_text()
     assert "make lab" in compare, "a widget is replaced by a note saying where it runs"
 
@@ -98,5 +101,23 @@ def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot(tmp
             assert page.evaluate("(img) => img.naturalWidth", plot.element_handle()) > 100
             assert "01_single_device" in page.url
             page.screenshot(path=str(tmp_path / "book-page.png"))
+            assert_formula_drawn(page, with_formulas[0])
         finally:
             browser.close()
+
+
+def assert_formula_drawn(page, html_file: Path) -> None:
+    """A formula with a subscript is laid out as MathML (the subscript below its base's baseline, as a browser
+    without MathML would not place it) and its paragraph shows no TeX."""
+    page.goto(html_file.as_uri())
+    formula = page.locator("math:has(msub)").first
+    formula.scroll_into_view_if_needed()
+    box = formula.bounding_box()
+    assert box and box["width"] > 5 and box["height"] > 5, box
+    assert page.evaluate("(m) => m instanceof MathMLElement", formula.element_handle())
+    base, subscript = (formula.locator("msub").first.locator(":scope > *").nth(k).bounding_box() for k in (0, 1))
+    assert subscript["y"] + subscript["height"] > base["y"] + base["height"] + 1, (base, subscript)
+    assert subscript["x"] >= base["x"] + base["width"] - 1, (base, subscript)
+    paragraph = formula.locator("xpath=ancestor::*[self::p or self::li or self::td][1]").inner_text()
+    assert "$" not in paragraph and "\\" not in paragraph, paragraph
+    page.screenshot(path=str(html_file.parent / f"{html_file.stem}-formula.png"))

@@ -6,7 +6,7 @@ The pages are made with nbconvert, the Jupyter project's own converter: it comes
 templates ship inside the package, so the build reads nothing from the network (a site generator with a
 theme, such as mkdocs-jupyter or Jupyter Book, would add dependencies for the same pages). The pages load
 no external script either: a static page cannot run a widget, so each widget is replaced by a short note,
-and the notebooks use no maths that would need MathJax.
+and formulas are MathML made at build time (book_math), which the browser draws without MathJax.
 
 Executing the notebooks is the slow part, so executions are kept in ``build/executed/``, keyed on the
 notebook's text and on dtlab's source. ``make test`` executes every notebook anyway and leaves its
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbconvert import HTMLExporter
-from nbconvert.filters.markdown_mistune import markdown2html_mistune
 from pygments.formatters import HtmlFormatter
+
+from dtlab.app.book_math import MATH_CSS, FormulaError, MathMLExporter, markdown_html
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -187,16 +187,17 @@ def _github_anchors(page: str) -> str:
 
 def markdown_page(markdown: str, title: str, nav: str) -> str:
     """A page from a markdown file: the text rendered, with the site's bar and no external resource."""
-    body = _site_links(_github_anchors(markdown2html_mistune(markdown)))
-    style = NAV_CSS + PAGE_CSS + HtmlFormatter().get_style_defs(".highlight")
+    body = _site_links(_github_anchors(markdown_html(markdown)))
+    style = NAV_CSS + MATH_CSS + PAGE_CSS + HtmlFormatter().get_style_defs(".highlight")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{style}</style></head><body>{nav}<main>{body}</main></body></html>\n")
 
 
 def notebook_page(nb: nbformat.NotebookNode, nav: str) -> str:
     """A page from an executed notebook: its cells, printed outputs and plots, widgets as a note."""
-    exporter = HTMLExporter(template_name="dtlab", extra_template_basedirs=[str(TEMPLATES)])
-    page, _ = exporter.from_notebook_node(without_widgets(nb), resources={"dtlab_nav": nav, "dtlab_css": NAV_CSS})
+    exporter = MathMLExporter(template_name="dtlab", extra_template_basedirs=[str(TEMPLATES)])
+    resources = {"dtlab_nav": nav, "dtlab_css": NAV_CSS + MATH_CSS}
+    page, _ = exporter.from_notebook_node(without_widgets(nb), resources=resources)
     return _site_links(page)
 
 
@@ -228,6 +229,15 @@ def executions(notebooks: Sequence[Path], cache: Path, execute_missing: bool,
     return done
 
 
+@contextmanager
+def _naming(source: Path) -> Iterator[None]:
+    """A formula that cannot be rendered stops the build with one line naming its file."""
+    try:
+        yield
+    except FormulaError as error:
+        raise SystemExit(f"dtlab book: {source.name}: {error}") from None
+
+
 def build(out: Path, *, root: Path = ROOT, cache: Path = CACHE, execute_missing: bool = True,
           say: Callable[[str], None] = print) -> Path:
     """Write the site into ``out`` (index.html, notebooks/*.html, docs/*.html, docs/figures/); returns the index."""
@@ -240,13 +250,16 @@ def build(out: Path, *, root: Path = ROOT, cache: Path = CACHE, execute_missing:
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "notebooks").mkdir(parents=True)
     (staging / "docs").mkdir()
-    for k, nb in enumerate(executed):
-        (staging / pages[k][0]).write_text(notebook_page(nb, nav_bar("../", pages, k)))
+    for k, (notebook, nb) in enumerate(zip(notebooks, executed)):
+        with _naming(notebook):
+            (staging / pages[k][0]).write_text(notebook_page(nb, nav_bar("../", pages, k)))
     for path, (href, title) in zip(docs, doc_pages):
-        (staging / href).write_text(markdown_page(path.read_text(), title, nav_bar("../", pages, None)))
+        with _naming(path):
+            (staging / href).write_text(markdown_page(path.read_text(), title, nav_bar("../", pages, None)))
     if (root / "docs" / "figures").is_dir():
         shutil.copytree(root / "docs" / "figures", staging / "docs" / "figures")
-    index = markdown_page((root / "README.md").read_text(), "dtlab", nav_bar("", pages, None))
+    with _naming(root / "README.md"):
+        index = markdown_page((root / "README.md").read_text(), "dtlab", nav_bar("", pages, None))
     index = index.replace("</main>", course_list(pages, doc_pages) + "</main>")
     (staging / "index.html").write_text(index)
     shutil.rmtree(out, ignore_errors=True)  # a failed build above leaves the previous site in place
