@@ -1,8 +1,10 @@
-"""Context parallelism: ring attention trains the single device's charformer, passing K/V around a ring."""
+"""Context parallelism: ring attention trains the single device's charformer, passing K/V around a ring; every
+method and balance computes SDPA's attention (tests/test_cp_methods.py trains with them)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch.nn.functional as F
 from dtlab import RunConfig
 from dtlab.core.results import RunResult
 from dtlab.launch.local import launch
+from dtlab.tiers import cp, cp_layout
 from dtlab.tiers.cp import BACKWARD_TAG, FORWARD_TAG, ring_attention, ring_hops_per_block
+from dtlab.tiers.cp_ulysses import HeadSwap
 from dtlab.train import run
 from tests.parity import TOL, job, single
 
@@ -75,36 +79,42 @@ def test_ring_pattern_from_recorded_events():
     # Every hop carries one chunk's K and V (or dK and dV): 2 x batch x chunk x width float32.
     kv_bytes = 2 * cfg.global_batch_size * (32 // n) * cfg.model_size * 4
     assert set(p2p["bytes"]) == {kv_bytes}
-    assert result.ranks[0].strategy == {"sequence_chunk": 32 // n, "ring_steps": n, "isends_per_block": 3 * n - 2}
+    assert result.ranks[0].strategy == {"method": "ring", "balance": "contiguous", "sequence_chunk": 32 // n,
+                                        "chunks": [0], "ring_steps": n, "isends_per_block": 3 * n - 2}
     # Gradients: one coalesced all-reduce per step (plus the 4-byte loss), not one per tensor.
     assert result.comm_summary()["all_reduce"]["calls_per_step"] == pytest.approx(2.0)
 
 
 def against_sdpa(info, seq_len: int, seed: int) -> dict[str, float]:
-    """This rank's largest error of ring attention against SDPA on the whole sequence, output and
-    gradients of q, k, v, in float32 and float64."""
+    """This rank's largest error of each method and balance against SDPA on the whole sequence, output and
+    gradients of q, k, v, in float32 and float64 (6 heads: Ulysses splits them over 2 or 3 ranks)."""
     errors = {}
-    for dtype in (torch.float32, torch.float64):
+    n = info.world_size
+    for method, balance, dtype in itertools.product(cp.METHODS, cp.BALANCES, (torch.float32, torch.float64)):
         g = torch.Generator().manual_seed(seed)
-        q, k, v, dout = (torch.randn(3, 2, seq_len, 8, generator=g, dtype=dtype) for _ in range(4))
+        q, k, v, dout = (torch.randn(3, 6, seq_len, 8, generator=g, dtype=dtype) for _ in range(4))
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         expected = F.scaled_dot_product_attention(*full, is_causal=True)
         expected.backward(dout)
-        chunk = seq_len // info.world_size
-        mine = slice(info.rank * chunk, (info.rank + 1) * chunk)
+        mine = torch.tensor(cp_layout.positions(info.rank, n, balance, seq_len))
         local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local)
+        comm = cp.Ring() if method == "ring" else HeadSwap()
+        if method == "ring" and balance == "contiguous":  # the tier's attention is ring_attention's
+            out = ring_attention(*local)
+        else:
+            out = cp.attention(cp.Options(method, balance), n, comm, seq_len)(*local)
         out.backward(dout[:, :, mine])
         pairs = [(out, expected[:, :, mine])] + [(a.grad, b.grad[:, :, mine]) for a, b in zip(local, full)]
-        errors[str(dtype)] = max((a - b).abs().max().item() for a, b in pairs)
+        errors[(method, balance, str(dtype))] = max((a - b).abs().max().item() for a, b in pairs)
     return errors
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ring_attention_matches_sdpa(world_size):
+def test_every_method_and_balance_matches_sdpa(world_size):
     for errors in launch(against_sdpa, world_size, args=(12, 0), progress=False).values:
-        assert errors["torch.float32"] <= 1e-5
-        assert errors["torch.float64"] <= 1e-12
+        assert len(errors) == 8
+        for (method, balance, dtype), error in errors.items():
+            assert error <= (1e-5 if dtype == "torch.float32" else 1e-12), (method, balance, dtype, error)
 
 
 @pytest.mark.parametrize(("changes", "field"), [

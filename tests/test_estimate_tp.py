@@ -12,7 +12,7 @@ from dtlab.analysis.estimate import activations as acts
 from dtlab.analysis.estimate import compare, estimate
 from dtlab.analysis.estimate import memory as mem
 from dtlab.analysis.estimate.tensor_parallel import RULES, localize, shard_dims, share, tp_locals
-from dtlab.tiers import fsdp, fsdp_tp, tp
+from dtlab.tiers import cp, fsdp, fsdp_tp, tp
 
 TEXT = {"model": "charformer", "dataset": "text", "model_size": 32}
 COUNTED = {"parameters", "gradients", "optimizer_state", "activations"}  # these tiers report no comm_buffers
@@ -72,6 +72,9 @@ JOBS = {
     "fsdp-tp-sp-lp": RunConfig(tier="fsdp-tp", world_size=4, **TEXT, tier_options=fsdp_tp.Options(
         tp_size=2, sequence_parallel=True, loss_parallel=True)),
     "cp": RunConfig(tier="cp", world_size=2, **TEXT),
+    "cp-zigzag-w4": RunConfig(tier="cp", world_size=4, tier_options=cp.Options(balance="zigzag"), **TEXT),
+    "cp-ulysses-zigzag-w4": RunConfig(tier="cp", world_size=4, model_heads=4,
+                                      tier_options=cp.Options(method="ulysses", balance="zigzag"), **TEXT),
 }
 
 

@@ -35,7 +35,7 @@ from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job, optimizer_factory
 from dtlab.core.results import max_param_diff
-from dtlab.tiers import diloco, elastic, ep, fsdp, fsdp_tp, ft, multinode, nd, pipeline, rpc, tp, zero
+from dtlab.tiers import cp, diloco, elastic, ep, fsdp, fsdp_tp, ft, multinode, nd, pipeline, rpc, tp, zero
 from dtlab.train import run
 
 __all__ = ["CASES", "FLOAT64_BOUND", "Case", "by_tier", "case", "diloco_reference", "gap", "main", "measure",
@@ -111,6 +111,14 @@ def _cases() -> list[Case]:
         ("nd dp2 tp2 1f1b charformer", _job("adam", tier="nd", world_size=4, **char,
                                             tier_options=nd.Options(pp=1, dp=2, tp=2, schedule="1f1b",
                                                                     microbatches=2))),
+        ("cp w2 zigzag charformer", _job("adam", tier="cp", world_size=2, **char,
+                                         tier_options=cp.Options(balance="zigzag"))),
+        ("cp w2 ulysses charformer", _job("adam", tier="cp", world_size=2, **char,
+                                          tier_options=cp.Options(method="ulysses"))),
+        ("cp w4 zigzag charformer", _job("adam", tier="cp", world_size=4, **char,
+                                         tier_options=cp.Options(balance="zigzag"))),
+        ("cp w4 ulysses zigzag charformer 4 heads", _job("adam", tier="cp", world_size=4, **char, model_heads=4,
+                                                         tier_options=cp.Options("ulysses", "zigzag"))),
     ]
     return out + [Case(f"{name} adam", cfg) for name, cfg in adam]
 

@@ -20,9 +20,10 @@ from dtlab.core import models
 from dtlab.core.comm import bus_factor
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
+from dtlab.core.results import RunResult
 
-__all__ = ["by_op_and_bytes", "bytes_by_formula", "recorded_per_step", "sent_bytes_per_step", "textbook_collectives",
-           "tp_bytes_per_step"]
+__all__ = ["by_op_and_bytes", "bytes_by_formula", "calls_by_tag", "recorded_per_step", "sent_bytes_per_step",
+           "textbook_collectives", "tp_bytes_per_step"]
 
 FLOAT = 4  # bytes of an fp32 activation
 
@@ -80,6 +81,16 @@ def recorded_per_step(events: pd.DataFrame, steps: range) -> pd.DataFrame:
     df = events[(events["rank"] == 0) & events["step"].isin(list(steps))]
     out = df.groupby(["op", "bytes"]).size().div(len(steps)).rename("calls").reset_index()
     return out.sort_values(["op", "bytes"]).reset_index(drop=True)
+
+
+def calls_by_tag(result: RunResult, rank: int = 0) -> pd.DataFrame:
+    """Calls per training step of one rank, tag (the module that issued it; "(none)": no module) x op, the tags
+    in the order first issued."""
+    ev = result.events_frame()
+    ev = ev[(ev["rank"] == rank) & (ev["step"] >= 0) & (ev["step"] < result.config.steps)]
+    ev = ev.assign(tag=ev["tag"].replace("", "(none)"))
+    order = list(dict.fromkeys(ev.sort_values("seq")["tag"]))
+    return (ev.groupby(["tag", "op"]).size() / result.config.steps).unstack(fill_value=0).reindex(order)
 
 
 def tp_bytes_per_step(table: pd.DataFrame) -> int:

@@ -28,6 +28,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="mlp, cnn, cnn-bn, charformer, moe or package.module:factory")
     p.add_argument("--model-size", type=int, default=d.model_size, help="width of the built-in model")
     p.add_argument("--model-depth", type=int, default=d.model_depth, help="mlp hidden layers / charformer blocks")
+    p.add_argument("--heads", type=int, default=d.model_heads, help="charformer / moe attention heads")
     p.add_argument("--dataset", default=d.dataset, help="digits, synthetic or text")
     p.add_argument("--dataset-size", type=int, default=d.dataset_size, help="samples (synthetic only)")
     p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global batch size")
@@ -82,7 +83,7 @@ def tier_options(tier: str, pairs: list[str]) -> Any:
 def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> RunConfig:
     return RunConfig(
         tier=tier, world_size=world_size, model=args.model, model_size=args.model_size, model_depth=args.model_depth,
-        dataset=args.dataset,
+        model_heads=args.heads, dataset=args.dataset,
         dataset_size=args.dataset_size, global_batch_size=args.batch_size, steps=args.steps, lr=args.lr,
         optimizer=args.optimizer, seed=args.seed, backend=args.backend, device=args.device,
         threads_per_rank=args.threads, timeout_s=args.timeout, slow_rank=args.slow_rank,
@@ -229,7 +230,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 # The flag that sets each RunConfig field, to name it in an error about that field.
 FLAGS = {"tier": "--tier", "world_size": "--world-size", "model": "--model", "model_size": "--model-size",
-         "model_depth": "--model-depth", "dataset": "--dataset", "dataset_size": "--dataset-size",
+         "model_depth": "--model-depth", "model_heads": "--heads", "dataset": "--dataset",
+         "dataset_size": "--dataset-size",
          "global_batch_size": "--batch-size", "steps": "--steps", "lr": "--lr", "optimizer": "--optimizer",
          "seed": "--seed", "backend": "--backend", "device": "--device", "threads_per_rank": "--threads",
          "timeout_s": "--timeout", "slow_rank": "--slow-rank",

@@ -85,6 +85,7 @@ class RunConfig:
     model: str | Callable[..., Any] = "mlp"
     model_size: int = 64
     model_depth: int = 2  # hidden layers of the mlp, blocks of the charformer
+    model_heads: int = 2  # the charformer's (and the moe model's) attention heads; each is model_size / heads wide
     dataset: str = "digits"
     dataset_size: int = 2048
     global_batch_size: int = 64
@@ -116,7 +117,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.tier not in registry.names():
             _fail("tier", self.tier, f"choose one of {', '.join(registry.names())}")
-        for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "dataset_size"):
+        for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "model_heads",
+                     "dataset_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "must be an integer >= 1")
@@ -142,6 +144,9 @@ class RunConfig:
             _fail("model", self.model, f"{self.model} reads characters: use dataset='text'")
         if self.dataset == "text" and self.model in ("mlp", "cnn", "cnn-bn"):
             _fail("dataset", self.dataset, "the text data set needs model='charformer' or 'moe'")
+        if self.model in TEXT_MODELS and self.model_size % self.model_heads:
+            _fail("model_heads", self.model_heads, f"the {self.model}'s width model_size={self.model_size} must "
+                  "split into whole heads: use a divisor of it")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:

@@ -41,7 +41,7 @@ def build_job(cfg: RunConfig, device: torch.device) -> tuple[torch.nn.Module, da
     data = load_data(cfg)
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model, data.input_shape, data.num_classes, cfg.model_size, cfg.model_depth,
-                         routing(cfg), torch_dtype(cfg)).to(device)
+                         routing(cfg), torch_dtype(cfg), cfg.model_heads).to(device)
     if cfg.activation_checkpointing:
         models.checkpoint_blocks(model)
     return model, data

@@ -96,16 +96,17 @@ class CharFormer(nn.Module):
 
 
 def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
-          depth: int = 2, routing: Any = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+          depth: int = 2, routing: Any = None, dtype: torch.dtype = torch.float32, heads: int = 2) -> nn.Module:
     """Make the model named by ``spec`` (built-in name, import path or callable); ``routing``: the ``moe``
-    model's ``dtlab.core.moe.Routing`` (its defaults when None). Other than float32, ``dtype`` converts the
-    floating-point parameters and buffers after the (float32) initialisation: the same starting values."""
-    model = _build(spec, input_shape, num_classes, width, depth, routing)
+    model's ``dtlab.core.moe.Routing`` (its defaults when None); ``heads``: the charformer's and the moe
+    model's attention heads. Other than float32, ``dtype`` converts the floating-point parameters and buffers
+    after the (float32) initialisation: the same starting values."""
+    model = _build(spec, input_shape, num_classes, width, depth, routing, heads)
     return model if dtype == torch.float32 else model.to(dtype)
 
 
 def _build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
-           depth: int, routing: Any) -> nn.Module:
+           depth: int, routing: Any, heads: int) -> nn.Module:
     if spec == "mlp":
         return mlp(input_shape, num_classes, width, depth)
     if spec == "cnn":
@@ -113,12 +114,12 @@ def _build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_cla
     if spec == "cnn-bn":
         return cnn(input_shape, num_classes, width, batchnorm=True)
     if spec == "charformer":
-        return CharFormer(num_classes, input_shape[0], width, layers=depth)
+        return CharFormer(num_classes, input_shape[0], width, layers=depth, heads=heads)
     if spec == "moe":
         # deferred: import cycle: dtlab.core.moe builds on CharFormer, defined here
         from dtlab.core import moe
 
-        return moe.MoEFormer(num_classes, input_shape[0], width, depth, routing or moe.Routing())
+        return moe.MoEFormer(num_classes, input_shape[0], width, depth, routing or moe.Routing(), heads)
     if isinstance(spec, str):
         spec = resolve_import_path(spec)
     params = inspect.signature(spec).parameters

@@ -143,8 +143,8 @@ class MoEFormer(CharFormer):
     """The charformer whose blocks' MLPs are ``MoE`` layers (parameter names ``blocks.i.mlp.router.weight``,
     ``blocks.i.mlp.experts.e.0.weight``, ...)."""
 
-    def __init__(self, vocab: int, seq_len: int, width: int, layers: int, routing: Routing) -> None:
-        super().__init__(vocab, seq_len, width, layers)
+    def __init__(self, vocab: int, seq_len: int, width: int, layers: int, routing: Routing, heads: int = 2) -> None:
+        super().__init__(vocab, seq_len, width, layers, heads)
         for block in self.blocks:
             block.mlp = MoE(width, routing)
 

@@ -1,23 +1,21 @@
-"""Tier: context parallelism -- the sequence split over the ranks, attention passed around a ring.
+"""Tier: context parallelism -- the sequence split over the ranks; attention by a ring or by Ulysses.
 
-The sequence (dim 1 of every batch) is cut into ``world_size`` contiguous chunks of
-``SEQ_LEN / world_size`` positions: rank r holds queries, keys and values of chunk r
-and computes the logits and loss of chunk r only. Everything but attention is
-per-position, so it needs no communication. Attention needs every earlier key, so the
-ranks pass their K/V blocks around a ring (``batch_isend_irecv`` to rank r+1, from
-rank r-1), one hop per step, while each rank attends to the block it holds; the
-partial results merge exactly with the online softmax (log-sum-exp), as in flash
-attention. The backward is a second ring pass: the K/V blocks travel again together
-with their dK/dV, which each rank adds to and which arrive back at their owner after
-n hops. Ring attention as picotron builds it, forward and backward written by hand as a
-``torch.autograd.Function``.
+Each rank holds some positions of every sequence (dim 1 of every batch) and computes the
+logits and loss of those positions only. Everything but attention is per-position, so it
+needs no communication. Attention needs every earlier key; two ways to get it
+(``Options.method``):
 
-Causal masking by block: for a K/V block from rank j, rank r attends fully if j < r,
-causally within the block if j == r, and not at all if j > r (the block still passes
-through on its way round the ring). So rank 0 computes one block and rank n-1 all n:
-contiguous chunks leave the early ranks idle for much of each step. Zig-zag ordering
-balances this (rank r holds chunks r and 2n-1-r of 2n; the Llama 3 paper, sec. 3.3.2,
-splits sequences this way); we do not, to keep the lesson's index arithmetic simple.
+* ``ring`` (``cp_ring``): each rank keeps its queries and the ranks pass their K/V blocks
+  around a ring with ``batch_isend_irecv``, merging partial softmaxes exactly (ring
+  attention, Liu et al. 2023; written as picotron does, forward and backward by hand).
+* ``ulysses`` (``cp_ulysses``): an all-to-all trades the sequence shards for head shards,
+  each rank runs ordinary attention on its heads over the whole sequence, and a second
+  all-to-all trades back (DeepSpeed-Ulysses, Jacobs et al. 2023). Needs the heads to
+  divide over the ranks.
+
+Which positions a rank holds (``Options.balance``, ``cp_layout``): ``contiguous``, one chunk
+per rank, leaves causal attention's work uneven (rank n-1 attends to n chunks, rank 0 to
+one); ``zigzag``, chunks r and 2n-1-r of 2n, evens it (the Llama 3 paper, sec. 3.3.2).
 
 Like DDP, every rank holds all parameters (they start equal: the model is seeded) and
 all-reduces the gradients after backward, averaging them. Each rank's loss is the mean
@@ -25,14 +23,16 @@ over its equally many tokens, so the average is the single device's gradient of 
 global-batch mean. On a CUDA device PyTorch's own
 ``torch.distributed.tensor.experimental.context_parallel`` shards the sequence the same
 way, but it runs only on the CUDA flash / memory-efficient attention kernels; on this
-CPU we build the ring ourselves.
+CPU we build the exchanges ourselves.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,177 +44,70 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
 from dtlab.core.memory import SavedActivations
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.recorder import tagged, timed_phase
-from dtlab.tiers import base
-from dtlab.tiers.base import NoOptions as Options
+from dtlab.instrument.recorder import timed_phase
+from dtlab.tiers import base, cp_layout
+from dtlab.tiers.cp_layout import BACKWARD_TAG, BALANCES, FORWARD_TAG
+from dtlab.tiers.cp_ring import Ring, RingAttention, ring_attention, ring_hops_per_block
+from dtlab.tiers.cp_ulysses import ALL_TO_ALLS_PER_BLOCK, HeadSwap, ulysses_attention
 
-__all__ = ["BACKWARD_TAG", "FORWARD_TAG", "Options", "Ring", "RingAttention", "SPEC", "Strategy", "chunk_forward",
-           "ring_attention", "ring_hops_per_block", "validate"]
+__all__ = ["Attention", "BACKWARD_TAG", "BALANCES", "FORWARD_TAG", "METHODS", "Options", "Ring", "RingAttention",
+           "SPEC", "Strategy", "attention", "chunk_forward", "ring_attention", "ring_hops_per_block", "validate"]
 
-FORWARD_TAG, BACKWARD_TAG = "cp:forward", "cp:backward"
-# Point-to-point tags: in backward a K/V block and a dK/dV block of the same size are in
-# flight to the same peer at once, so each stream gets its own tag and they cannot swap.
-_KV, _GRAD = 0, 1
+METHODS = ("ring", "ulysses")
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Options:
+    method: str = "ring"  # "ring": K/V blocks around a ring; "ulysses": all-to-all to head shards and back
+    balance: str = "contiguous"  # "contiguous": chunk r on rank r; "zigzag": chunks r and 2n-1-r of 2n
 
 
 def validate(cfg: RunConfig) -> None:
+    o, n, name = cfg.tier_options, cfg.world_size, "cp tier_options"
     if cfg.model != "charformer":
         raise ValueError(f"RunConfig.model={cfg.model!r} is invalid for tier 'cp': it runs the built-in "
-                         "charformer's attention as ring attention; use model='charformer'")
-    if SEQ_LEN % cfg.world_size:
-        raise ValueError(f"RunConfig.world_size={cfg.world_size} is invalid for tier 'cp': the text's "
-                         f"sequences of {SEQ_LEN} positions must split into world_size equal chunks")
+                         "charformer's attention split over the sequence; use model='charformer'")
+    if o.method not in METHODS:
+        raise ValueError(f"{name}.method={o.method!r} is invalid: choose one of {', '.join(METHODS)}")
+    if o.balance not in BALANCES:
+        raise ValueError(f"{name}.balance={o.balance!r} is invalid: choose one of {', '.join(BALANCES)}")
+    if o.balance == "zigzag" and SEQ_LEN % (2 * n):
+        raise ValueError(f"{name}.balance='zigzag' is invalid at world_size={n}: the text's sequences of "
+                         f"{SEQ_LEN} positions must split into 2 x world_size = {2 * n} equal chunks")
+    if SEQ_LEN % n:
+        raise ValueError(f"RunConfig.world_size={n} is invalid for tier 'cp': the text's sequences of "
+                         f"{SEQ_LEN} positions must split into world_size equal chunks")
+    h = cfg.model_heads
+    if o.method == "ulysses" and h % n:
+        why = (f"fewer heads than the {n} ranks" if h < n else f"{h} heads do not divide over {n} ranks")
+        raise ValueError(f"RunConfig.model_heads={h} is invalid for tier 'cp' with method='ulysses': {why} (each "
+                         f"rank attends with model_heads / world_size whole heads); use a multiple of {n}")
 
 
-def ring_hops_per_block(world_size: int) -> int:
-    """The isends each rank issues per attention block and training step: n-1 K/V hops in forward;
-    in backward n-1 K/V hops again and n dK/dV hops (the last brings them home)."""
-    return 3 * world_size - 2 if world_size > 1 else 0
+def attention(o: Options, n: int, comm: Ring | HeadSwap, seq_len: int = SEQ_LEN) -> Attention:
+    """The attention each rank runs on its positions' q, k, v (of sequences ``seq_len`` long): ``comm`` is a
+    ``Ring`` for ``ring``, a ``HeadSwap`` for ``ulysses`` (or their solo stand-ins, for a prediction)."""
+    if o.method == "ring":
+        return functools.partial(ring_attention, ring=comm, layout=cp_layout.layout(n, o.balance))
+    return functools.partial(ulysses_attention, swap=comm, order=cp_layout.natural_order(n, o.balance, seq_len))
 
 
-# -- the ring ---------------------------------------------------------------------------
-class Ring:
-    """Shifts a tensor one rank along the ring (to r+1, from r-1) and counts the seconds waited."""
-
-    def __init__(self) -> None:
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.waited_s = 0.0
-
-    def shift(self, tensor: torch.Tensor, tag: int) -> _Arrived | _InFlight:
-        """Start sending ``tensor`` on; ``wait()`` on the result returns the neighbour's tensor."""
-        if self.size == 1:  # the next rank is this one
-            return _Arrived(tensor)
-        received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), (self.rank + 1) % self.size, tag=tag),
-               dist.P2POp(dist.irecv, received, (self.rank - 1) % self.size, tag=tag)]
-        return _InFlight(dist.batch_isend_irecv(ops), received, self)
-
-
-class _Arrived:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return self.tensor
-
-
-class _InFlight:
-    def __init__(self, works: list[Any], received: torch.Tensor, ring: Ring) -> None:
-        self.works, self.received, self.ring = works, received, ring
-
-    def wait(self) -> torch.Tensor:
-        start = time.perf_counter()
-        for work in self.works:
-            work.wait()
-        self.ring.waited_s += time.perf_counter() - start
-        return self.received
-
-
-# -- attention on one block -------------------------------------------------------------
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:  # the diagonal block: query i sees keys 0..i of it
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return s
-
-
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q to one K/V block, and each row's log-sum-exp of the scores."""
-    s = _scores(q, k, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax: two partial attentions, each normalised over its own keys, as one over both."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
-    return out, new_lse
-
-
-def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                    delta: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of dQ, dK, dV, from the full softmax's log-sum-exp (flash attention's backward)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))  # the final attention weights on this block
-    dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
-
-
-# -- the autograd Function --------------------------------------------------------------
-class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries to every rank's keys, the sequence split in rank order.
-
-    Inputs (batch, heads, chunk, head_dim): rank r's chunk r of q, k and v. Every rank of
-    the default process group calls it together, forward and backward.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-        kv, out, lse = torch.stack([k, v]), None, None
-        with tagged(FORWARD_TAG):
-            for step in range(ring.size):
-                owner = (ring.rank - step) % ring.size
-                # Send the block on before using it: the transfer overlaps this step's compute.
-                incoming = ring.shift(kv, _KV) if step < ring.size - 1 else None
-                if owner <= ring.rank:  # later ranks' keys are in the future
-                    block_out, block_lse = _block_forward(q, kv[0], kv[1], causal=owner == ring.rank)
-                    out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
-                if incoming is not None:
-                    kv = incoming.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        ring: Ring = ctx.ring
-        delta = (dout * out).sum(-1)  # D = rowsum(dO * O)
-        dq, kv, grads = torch.zeros_like(q), torch.stack([k, v]), None
-        with tagged(BACKWARD_TAG):
-            for step in range(ring.size):
-                owner = (ring.rank - step) % ring.size
-                incoming_kv = ring.shift(kv, _KV) if step < ring.size - 1 else None
-                part = (_block_backward(q, kv[0], kv[1], dout, lse, delta, causal=owner == ring.rank)
-                        if owner <= ring.rank else None)
-                # The owner's dK/dV as summed so far by the ranks before this one (none yet at step 0).
-                grads = torch.zeros_like(kv) if grads is None else grads.wait()
-                if part is not None:
-                    dq += part[0]
-                    grads[0] += part[1]
-                    grads[1] += part[2]
-                grads = ring.shift(grads, _GRAD)  # follows its block: rank r+1 holds it next step
-                if incoming_kv is not None:
-                    kv = incoming_kv.wait()
-            dkv = grads.wait()  # n hops: this rank's own block, with every rank's share
-        return dq, dkv[0], dkv[1], None
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring | None = None) -> torch.Tensor:
-    """``scaled_dot_product_attention(q, k, v, is_causal=True)`` of the whole sequence, where each rank
-    passes its contiguous chunk (rank order) of q, k and v and gets its chunk of the output."""
-    return RingAttention.apply(q, k, v, ring if ring is not None else Ring())
-
-
-# -- the model's forward on one chunk -----------------------------------------------------
-def _attention(attn: models.CausalSelfAttention, x: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """``CausalSelfAttention.forward`` with ring attention in place of SDPA."""
+# -- the model's forward on one rank's positions --------------------------------------------
+def _attention(attn: models.CausalSelfAttention, x: torch.Tensor, attend: Attention) -> torch.Tensor:
+    """``CausalSelfAttention.forward`` with the split attention in place of SDPA."""
     b, t, _ = x.shape
     q, k, v = (proj(x).view(b, t, attn.heads, -1).transpose(1, 2) for proj in (attn.q, attn.k, attn.v))
-    y = ring_attention(q, k, v, ring)
+    y = attend(q, k, v)
     return attn.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def chunk_forward(model: models.CharFormer, x: torch.Tensor, offset: int, ring: Ring) -> torch.Tensor:
-    """``CharFormer.forward`` of one chunk of the sequence that starts at position ``offset``."""
-    h = model.tok(x) + model.pos(torch.arange(offset, offset + x.shape[1], device=x.device))
+def chunk_forward(model: models.CharFormer, x: torch.Tensor, positions: torch.Tensor,
+                  attend: Attention) -> torch.Tensor:
+    """``CharFormer.forward`` of one rank's ``positions`` of the sequence (``x``: those positions' tokens)."""
+    h = model.tok(x) + model.pos(positions)
     for block in model.blocks:
-        h = h + _attention(block.attn, block.ln1(h), ring)
+        h = h + _attention(block.attn, block.ln1(h), attend)
         h = h + block.mlp(block.ln2(h))
     return model.head(model.ln(h))
 
@@ -225,30 +118,33 @@ class Strategy(base.Strategy):
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
-        self.data_rank, self.data_world = 0, 1  # every rank reads the whole global batch, and cuts its chunk
-        self.chunk = SEQ_LEN // info.world_size
+        self.data_rank, self.data_world = 0, 1  # every rank reads the whole global batch, and cuts its positions
+        self.options: Options = cfg.tier_options
+        self.positions = cp_layout.positions(info.rank, info.world_size, self.options.balance, SEQ_LEN)
         self.times = {"forward": 0.0, "backward": 0.0, "forward_wait": 0.0, "backward_wait": 0.0}
         # What the first step's forward saves for backward (the loop cannot see inside run_step)
         self.activations: int | None = None
 
     def run_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        lo = self.info.rank * self.chunk
-        x, y = x[:, lo:lo + self.chunk], y[:, lo:lo + self.chunk]
-        ring = Ring()
+        rank, n, balance = self.info.rank, self.info.world_size, self.options.balance
+        x, y = cp_layout.local_batch(x, rank, n, balance), cp_layout.local_batch(y, rank, n, balance)
+        comm = Ring() if self.options.method == "ring" else HeadSwap()
+        attend = attention(self.options, n, comm)
         start = time.perf_counter()
         counting = SavedActivations() if self.activations is None else contextlib.nullcontext()
         with timed_phase("cp_forward"), counting as acts:
-            loss = models.loss(chunk_forward(model, x, lo, ring), y)
+            positions = torch.tensor(self.positions, device=x.device)
+            loss = models.loss(chunk_forward(model, x, positions, attend), y)
         if acts is not None:  # counted as the loop counts other tiers: parameters left out
             self.activations = acts.bytes(exclude=model.parameters())
-        middle, forward_wait = time.perf_counter(), ring.waited_s
+        middle, forward_wait = time.perf_counter(), comm.waited_s
         with timed_phase("cp_backward"):
             loss.backward()
         end = time.perf_counter()
         self.times = {"forward": middle - start, "backward": end - middle, "forward_wait": forward_wait,
-                      "backward_wait": ring.waited_s - forward_wait}
+                      "backward_wait": comm.waited_s - forward_wait}
         reported = loss.detach().clone()
-        dist.all_reduce(reported)  # 4 bytes, so every rank reports the global mean, not its chunk's
+        dist.all_reduce(reported)  # 4 bytes, so every rank reports the global mean, not its positions'
         return reported / self.info.world_size
 
     def sync_gradients(self, model: nn.Module) -> None:
@@ -263,17 +159,23 @@ class Strategy(base.Strategy):
         return {} if self.activations is None else {"activations": self.activations}
 
     def split_step(self, seconds: float) -> dict[str, float]:
-        """Compute of the forward and backward passes; waiting on the ring (and the loss's
+        """Compute of the forward and backward passes; waiting on the ring or the all-to-alls (and the loss's
         all-reduce, and the rest of the step) counts as communication."""
         t = self.times
         forward, backward = t["forward"] - t["forward_wait"], t["backward"] - t["backward_wait"]
         return {"forward": forward, "backward": backward, "comm": max(0.0, seconds - forward - backward)}
 
     def describe(self) -> dict[str, Any]:
-        return {"sequence_chunk": self.chunk, "ring_steps": self.info.world_size,
-                "isends_per_block": ring_hops_per_block(self.info.world_size)}
+        o, n = self.options, self.info.world_size
+        out = {"method": o.method, "balance": o.balance, "sequence_chunk": len(self.positions),
+               "chunks": list(cp_layout.chunks_of(self.info.rank, n, o.balance))}
+        if o.method == "ring":
+            return out | {"ring_steps": n, "isends_per_block": ring_hops_per_block(n)}
+        return out | {"heads_per_rank": self.cfg.model_heads // n,
+                      "all_to_alls_per_block": ALL_TO_ALLS_PER_BLOCK if n > 1 else 0}
 
 
-SPEC = TierSpec(name="cp", summary="context parallel: ring attention over the sequence",
+SPEC = TierSpec(name="cp", summary="context parallel: the sequence split, attention by a ring or by Ulysses",
                 options=Options, validate=validate, strategy=Strategy,
-                autocast=False, activation_checkpointing=False, models=("charformer",))
+                autocast=False, activation_checkpointing=False, models=("charformer",),
+                choices={"method": METHODS, "balance": BALANCES})

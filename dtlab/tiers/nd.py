@@ -84,7 +84,7 @@ def validate(cfg: RunConfig) -> None:
                          f"cannot be split into pp={o.pp} equal stages")
     if not isinstance(o.sequence_parallel, bool):
         raise ValueError(f"{name}.sequence_parallel={o.sequence_parallel!r} is invalid: must be True or False")
-    for what, size in (("width (model_size)", cfg.model_size), (f"{tp.HEADS} attention heads", tp.HEADS),
+    for what, size in (("width (model_size)", cfg.model_size), (f"{cfg.model_heads} attention heads", cfg.model_heads),
                        (f"sequence ({SEQ_LEN})", SEQ_LEN if o.sequence_parallel else o.tp)):
         if size % o.tp:
             raise ValueError(f"{name}.tp={o.tp} is invalid: the charformer's {what} does not divide over {o.tp} "

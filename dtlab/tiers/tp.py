@@ -41,7 +41,6 @@ __all__ = ["MODELS", "Options", "SPEC", "Strategy", "loss_context", "mlp_pairs",
            "validate"]
 
 MODELS = ("mlp", "charformer")
-HEADS = 2  # the charformer's attention heads (dtlab.core.models.build)
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,10 @@ def validate_model(cfg: RunConfig, tp: int, name: str) -> None:
     if cfg.model_size % tp:
         raise ValueError(f"RunConfig.model_size={cfg.model_size} is invalid for the {cfg.tier} tier: the width "
                          f"must be divisible by the {tp} tensor-parallel ranks")
-    if cfg.model == "charformer" and HEADS % tp:
-        raise ValueError(f"the {cfg.tier} tier splits whole attention heads: the charformer's {HEADS} heads do not "
-                         f"divide over {tp} tensor-parallel ranks (world_size / tp_size)")
+    if cfg.model == "charformer" and cfg.model_heads % tp:
+        raise ValueError(f"RunConfig.model_heads={cfg.model_heads} is invalid for the {cfg.tier} tier: it splits "
+                         f"whole attention heads, and the charformer's {cfg.model_heads} heads do not divide over "
+                         f"{tp} tensor-parallel ranks (world_size / tp_size)")
     if cfg.model == "mlp" and (o.sequence_parallel or o.loss_parallel):
         field = "sequence_parallel" if o.sequence_parallel else "loss_parallel"
         raise ValueError(f"{name}.{field}=True is invalid with model='mlp': it needs a sequence and a vocabulary "

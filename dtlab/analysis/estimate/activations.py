@@ -51,7 +51,8 @@ def fake_model(cfg: RunConfig, s: Shapes, mode: FakeTensorMode) -> nn.Module:
     (``even_assign``), which leaves a dropless layer's saved bytes as they are: the experts'
     rows add up to tokens x k however they are shared."""
     with mode, default_dtype(torch_dtype(cfg)):  # made in the job's dtype: converting fake parameters fails
-        model = models.build(cfg.model, s.input_shape, s.num_classes, cfg.model_size, cfg.model_depth, routing(cfg))
+        model = models.build(cfg.model, s.input_shape, s.num_classes, cfg.model_size, cfg.model_depth, routing(cfg),
+                             heads=cfg.model_heads)
         if cfg.activation_checkpointing:
             models.checkpoint_blocks(model)
     for layer in routing_of(model):

@@ -10,8 +10,8 @@ DTensor cannot run; instead each rank's computation is rebuilt on fake tensors:
   width, attention keeps ``heads / n`` heads, and hooks stand in for the collectives where the layout
   changes (an all-gather makes a fresh full tensor, a reduce-scatter or a sequence split a fresh chunk),
   so autograd saves exactly the tensors one rank's DTensor forward saves;
-* cp runs the tier's own ``chunk_forward`` and ring attention on fake tensors, with a ring that hands
-  each block back to the rank that sent it (same shapes, no peers).
+* cp runs the tier's own ``chunk_forward`` and attention on fake tensors, with the tier's solo stand-ins
+  for the ring and the all-to-all (``SoloRing``, ``SoloSwap``: fresh tensors of the same shapes, no peers).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
 from dtlab.tiers import cp as cp_tier
+from dtlab.tiers import cp_layout, cp_ring, cp_ulysses
 from dtlab.tiers import tp as tp_tier
 
 __all__ = ["RULES", "context_parallel", "fsdp_tensor_parallel", "localize", "shard_dims", "tensor_parallel"]
@@ -208,48 +209,44 @@ def fsdp_tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> li
     return out
 
 
-class _Solo(cp_tier.Ring):
-    """A ring of ``size`` ranks seen from ``rank`` alone: each shift hands back a block of the same shape
-    (every rank's chunk has this one's), so the forward runs, and saves, as on the real ring."""
-
-    def __init__(self, rank: int, size: int) -> None:  # no process group: cp.Ring would ask it
-        self.rank, self.size, self.waited_s = rank, size, 0.0
-
-    def shift(self, tensor: torch.Tensor, tag: int) -> Any:
-        return cp_tier._Arrived(torch.empty_like(tensor))  # a receive lands in a fresh buffer
-
-
 class _Chunk(nn.Module):
-    """``cp.chunk_forward`` of the chunk at ``offset`` as a module (what forward_saved runs)."""
+    """``cp.chunk_forward`` of one rank's positions as a module (what forward_saved runs)."""
 
-    def __init__(self, model: models.CharFormer, offset: int, ring: cp_tier.Ring) -> None:
+    def __init__(self, model: models.CharFormer, positions: list[int], attend: cp_tier.Attention) -> None:
         super().__init__()
-        self.model, self.offset, self.ring = model, offset, ring
+        self.model, self.positions, self.attend = model, positions, attend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cp_tier.chunk_forward(self.model, x, self.offset, self.ring)
+        positions = torch.tensor(self.positions, device=x.device)  # as cp.Strategy.run_step makes them
+        return cp_tier.chunk_forward(self.model, x, positions, self.attend)
 
 
 def context_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]:
-    """cp: every rank holds the whole model, its gradients and its state, and runs its chunk of the
-    sequence of the whole batch (its queries against every earlier chunk's keys, passed round the ring)."""
-    n = cfg.world_size
+    """cp: every rank holds the whole model, its gradients and its state, and runs its positions of the
+    sequence of the whole batch: ring attention (its queries against every earlier chunk's keys, passed
+    round the ring) or Ulysses (its heads over the whole sequence, exchanged by all-to-alls)."""
+    n, o = cfg.world_size, cfg.tier_options
     params = list(model.parameters())
     p = sum(mem.nbytes(t) for t in params)
     chunk = SEQ_LEN // n
-    notes = [f"activations: the chunk of {chunk} positions of the whole batch of {cfg.global_batch_size} "
-             "(a view of it: the embedding keeps the batch's storage), ring attention saving q, k, v, its "
-             "output and log-sum-exp", "comm_buffers: none kept (the gradients' flat all-reduce is freed)"]
+    how = ("ring attention saving q, k, v, its output and log-sum-exp" if o.method == "ring" else
+           f"Ulysses: SDPA on {cfg.model_heads // n} head(s) of the whole sequence, after an all-to-all")
+    cut = "a view of it: the embedding keeps the batch's storage" if o.balance == "contiguous" else "a copy"
+    notes = [f"activations: the {o.balance} positions ({chunk} of {SEQ_LEN}) of the whole batch of "
+             f"{cfg.global_batch_size} ({cut}), {how}", "comm_buffers: none kept (the gradients' flat all-reduce "
+             "is freed)"]
     out = []
     for i in range(n):
         mode = FakeTensorMode()
         fake = acts.fake_model(cfg, s, mode)
         assert isinstance(fake, models.CharFormer), "cp runs the charformer only (cp.validate)"
         x, y = acts.batch(s, cfg.global_batch_size, mode)
-        lo = i * chunk
-        with mode:
-            x, y = x[:, lo:lo + chunk], y[:, lo:lo + chunk]  # as cp.Strategy.run_step cuts them
-        saved, _ = acts.forward_saved(cfg, mode, _Chunk(fake, lo, _Solo(i, n)), [x], [y])
+        with mode:  # as cp.Strategy.run_step cuts them
+            x, y = cp_layout.local_batch(x, i, n, o.balance), cp_layout.local_batch(y, i, n, o.balance)
+        comm = cp_ring.SoloRing(i, n) if o.method == "ring" else cp_ulysses.SoloSwap(i, n)
+        attend = cp_tier.attention(o, n, comm)
+        positions = cp_layout.positions(i, n, o.balance, SEQ_LEN)
+        saved, _ = acts.forward_saved(cfg, mode, _Chunk(fake, positions, attend), [x], [y])
         memory = {"parameters": p, "gradients": p, "optimizer_state": mem.optimizer_bytes(cfg, params),
                   "activations": saved, "comm_buffers": 0}
         out.append(mem.RankMemory(i, memory, notes))
