@@ -33,6 +33,7 @@ GIVEAWAYS = {
     "fsdp_unit": ("full.requires_grad_()", "/ world_size", "the ranks' mean", "resize_(0)"),
     "tp_mlp": ("SumForward", "SumBackward", "A sum in forward needs none in backward", "clone"),
     "ring_attention": ("largest score seen so far", "rescale", "torch.exp", "amax", "acc / l"),
+    "ulysses_attention": ("torch.stack", "permute", "transpose", "is_causal=True", "put the destination first"),
     "moe_dispatch": ("argsort", "bincount", "view(n, m)", "y[order] = back"),
 }
 
@@ -315,7 +316,7 @@ def gpipe_without_scaling(stage, micro_batches, targets, loss_fn):
 def test_names_list_the_exercises_in_course_order_and_each_is_described():
     assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "fsdp_unit",
                                  "ddp_script", "gpipe_schedule", "tp_mlp", "ring_attention",
-                                 "moe_dispatch")
+                                 "ulysses_attention", "moe_dispatch")
     for name in exercises.names():
         text = exercises.describe(name)
         assert "\n" not in text and "Checked at world size" in text

@@ -48,6 +48,8 @@ In course order:
 - ``gpipe_schedule``: GPipe's forwards and backwards of M micro-batches over pipeline stages.
 - ``tp_mlp``: a Megatron MLP pair split over the ranks, its communication in autograd Functions.
 - ``ring_attention``: attention over a sequence split across the ranks, K/V blocks passed in a ring.
+- ``ulysses_attention``: the same split sequence, attended by trading it for a split of the heads with an
+  all-to-all, and back (DeepSpeed-Ulysses).
 - ``moe_dispatch``: expert parallelism's token dispatch: each token to its expert's rank with an
   all-to-all of uneven splits, and its output back (the combine).
 """
@@ -71,6 +73,7 @@ from dtlab.exercises import (
     ring_allreduce,
     ring_attention,
     tp_mlp,
+    ulysses_attention,
     zero1_step,
 )
 from dtlab.exercises._check import CheckResult, Exercise, ScriptExercise, check_world_sizes, run_check, script_path
@@ -79,7 +82,7 @@ from dtlab.exercises._progress import Progress
 _EXERCISES: dict[str, Exercise | ScriptExercise] = {
     ex.name: ex for ex in (ring_allreduce.EXERCISE, naive_ddp.EXERCISE, bucketed_ddp.EXERCISE, zero1_step.EXERCISE,
                            fsdp_unit.EXERCISE, ddp_script.EXERCISE, gpipe_schedule.EXERCISE, tp_mlp.EXERCISE,
-                           ring_attention.EXERCISE, moe_dispatch.EXERCISE)}
+                           ring_attention.EXERCISE, ulysses_attention.EXERCISE, moe_dispatch.EXERCISE)}
 
 
 def _exercise(name: str) -> Exercise | ScriptExercise:
