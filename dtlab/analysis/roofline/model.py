@@ -1,17 +1,22 @@
 """The roofline a step's compute is timed on: its operations (FLOPs and bytes each) and a device to run them.
 
 An ``Op`` is one kind of operation of a training step — a GEMM of a known shape,
-or a memory-bound pass (a norm, an activation, softmax, the optimizer) — with
-its FLOPs and the bytes it moves, and how many times a step runs it. A
-``Device`` gives the peak FLOP/s per dtype, the memory bandwidth and how close
-a GEMM of a given shape comes to the peak (an efficiency curve measured on that
-device: published measurements for a GPU, this machine's own for the CPU).
+a fused (flash) attention, or a memory-bound pass (a norm, an activation, the
+optimizer) — with its FLOPs and the bytes it moves, and how many times a step
+runs it. A ``Device`` gives the peak FLOP/s per dtype, the memory bandwidth and
+how close a GEMM of a given shape comes to the peak (an efficiency curve measured
+on that device: published measurements for a GPU, this machine's own for the
+CPU), and optionally the same for fused attention.
 ``op_seconds`` is the roofline: the slower of computing at the attainable rate
 and moving the bytes at the bandwidth. No utilisation is assumed anywhere: it is
 what comes out (``ComputeTime.mfu``).
 
 Model FLOPs count the forward and backward a step needs; hardware FLOPs add what
 recomputation runs again (``Op.recomputed``). The two are reported apart, never mixed.
+``Op.flops`` is what those counts take (the usual convention: a causal attention counted
+as if unmasked); ``Op.executed`` is the fraction of it the kernel really runs (a causal
+flash attention skips the masked blocks, its backward recomputes the scores), which only
+the time uses.
 """
 
 from __future__ import annotations
@@ -19,15 +24,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-GEMM, MEMORY = "gemm", "memory"
+GEMM, ATTENTION, MEMORY = "gemm", "attention", "memory"
+KINDS = (GEMM, ATTENTION, MEMORY)
 
 
 @dataclass(frozen=True)
 class Op:
     """One operation of a step, run ``count`` times per step (layers x passes x micro-batches).
 
-    ``shape`` is a GEMM's (m, n, k): an (m x k) by (k x n) product, 2mnk FLOPs. ``recomputed``
-    marks the extra forward that activation recomputation runs: hardware FLOPs, not model FLOPs.
+    ``shape`` is a GEMM's (m, n, k): an (m x k) by (k x n) product, 2mnk FLOPs; an attention's
+    (query length, key length, head dimension). ``recomputed`` marks the extra forward that
+    activation recomputation runs: hardware FLOPs, not model FLOPs. ``executed``: the fraction
+    of ``flops`` the kernel runs (the time's, not the counts').
     """
 
     name: str
@@ -38,14 +46,15 @@ class Op:
     shape: tuple[int, int, int] | None = None
     dtype: str = "bf16"
     recomputed: bool = False
+    executed: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in (GEMM, MEMORY):
-            raise ValueError(f"Op {self.name!r}: kind={self.kind!r} is invalid: choose {GEMM!r} or {MEMORY!r}")
-        if self.kind == GEMM and self.shape is None:
-            raise ValueError(f"Op {self.name!r}: a GEMM needs its shape (m, n, k)")
-        if min(self.flops, self.bytes, self.count) < 0:
-            raise ValueError(f"Op {self.name!r}: flops, bytes and count must be >= 0")
+        if self.kind not in KINDS:
+            raise ValueError(f"Op {self.name!r}: kind={self.kind!r} is invalid: choose one of {', '.join(KINDS)}")
+        if self.kind != MEMORY and self.shape is None:
+            raise ValueError(f"Op {self.name!r}: a {self.kind} op needs its shape")
+        if min(self.flops, self.bytes, self.count, self.executed) < 0:
+            raise ValueError(f"Op {self.name!r}: flops, bytes, count and executed must be >= 0")
 
     @property
     def intensity(self) -> float:
@@ -63,13 +72,16 @@ def gemm(name: str, m: int, n: int, k: int, *, dtype: str = "bf16", itemsize: in
 @dataclass(frozen=True)
 class Device:
     """What an op's time depends on. ``gemm_efficiency(m, n, k, dtype)`` is the fraction of the dtype's
-    peak a GEMM of that shape reaches on its own (the device's measured curve); ``sources`` cite it."""
+    peak a GEMM of that shape reaches on its own (the device's measured curve); ``attention_efficiency
+    (s_q, s_kv, head_dim, dtype)`` the same for a fused attention's executed FLOPs (None: timed as a GEMM
+    of its shape); ``sources`` cite them."""
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bandwidth: float
     gemm_efficiency: Callable[[int, int, int, str], float]
     sources: tuple[str, ...] = ()
+    attention_efficiency: Callable[[int, int, int, str], float] | None = None
 
     def peak(self, dtype: str) -> float:
         try:
@@ -81,12 +93,13 @@ class Device:
 
 def op_seconds(op: Op, device: Device) -> float:
     """One execution of ``op``: the slower of its FLOPs at the attainable rate and its bytes at the bandwidth."""
-    if op.kind == GEMM:
-        m, n, k = op.shape  # type: ignore[misc]
-        rate = device.peak(op.dtype) * device.gemm_efficiency(m, n, k, op.dtype)
-    else:
+    if op.kind == MEMORY:
         rate = device.peak(op.dtype)
-    compute = op.flops / rate if op.flops else 0.0
+    else:
+        a, b, c = op.shape  # type: ignore[misc]
+        curve = device.attention_efficiency if op.kind == ATTENTION else None
+        rate = device.peak(op.dtype) * (curve or device.gemm_efficiency)(a, b, c, op.dtype)
+    compute = op.flops * op.executed / rate if op.flops else 0.0
     return max(compute, op.bytes / device.memory_bandwidth)
 
 
