@@ -12,8 +12,11 @@ import pytest
 from dtlab.analysis import costmodel
 from dtlab.analysis import speedup as sp
 from dtlab.analysis.estimate import calibration, step
+from dtlab.analysis.roofline.cpu import Roofline
 from dtlab.plots import save
-from dtlab.plots.crossover import PREDICTION_LABEL, crossing, speedup_curve
+from dtlab.plots.crossover import PREDICTION_LABEL, RETIMED_LABEL, crossing, speedup_curve
+
+NO_ROOFLINE = Roofline({})  # where the estimator's step rule is replaced, the roofline is never read
 
 WIDTHS = [64, 128, 256, 512, 1024]
 
@@ -141,9 +144,13 @@ def _measured(cfg) -> dict:
 def test_the_prediction_is_the_estimators_step_rule_on_a_link_calibrated_in_the_run(monkeypatch):
     calls = []
 
-    def predict(cfg, model, link):  # the estimator's step rule, as estimate() calls it
-        calls.append((cfg.tier, cfg.world_size, cfg.resolved_threads, link.busy_s))
-        return (0.010 if cfg.tier == "single" else 0.016), []
+    def predict(cfg, model, link, compute):  # the estimator's step rule, as estimate() calls it
+        calls.append((cfg.tier, cfg.world_size, cfg.resolved_threads, link.busy_s, compute == "timed"))
+        if compute != "timed":
+            assert compute is NO_ROOFLINE  # the sweep's roofline, handed on as the estimator's compute
+        # predicted compute: single 10 ms, ddp 16 ms; re-timed: single 12 ms, ddp 15 ms
+        return {("single", False): 0.010, ("ddp", False): 0.016, ("single", True): 0.012,
+                ("ddp", True): 0.015}[(cfg.tier, compute == "timed")], []
 
     monkeypatch.setattr(step, "predict", predict)
     monkeypatch.setattr(sp, "_numbers", _measured)
@@ -151,16 +158,19 @@ def test_the_prediction_is_the_estimators_step_rule_on_a_link_calibrated_in_the_
     monkeypatch.setattr(sp, "calibrate_link", lambda n, ops, quick: link)
     busy = iter([0.001, 0.002])  # measured again as each round starts
     monkeypatch.setattr(calibration, "with_busy", lambda lk, n, rounds: dataclasses.replace(lk, busy_s=next(busy)))
-    df = sp.speedup_sweep([16], global_batch=32, steps=5, rounds=2, cores=2)
-    assert sorted(calls) == sorted([("single", 1, 2, b) for b in (0.001, 0.002)]
-                                   + [("ddp", 2, 1, b) for b in (0.001, 0.002)])
+    df = sp.speedup_sweep([16], global_batch=32, steps=5, rounds=2, cores=2, roofline=NO_ROOFLINE)
+    assert sorted(calls) == sorted([("single", 1, 2, b, t) for b in (0.001, 0.002) for t in (False, True)]
+                                   + [("ddp", 2, 1, b, t) for b in (0.001, 0.002) for t in (False, True)])
     assert list(df["predicted_single_ms"]) == pytest.approx([10.0])
     assert list(df["predicted_ddp_ms"]) == pytest.approx([16.0])
     assert list(df["predicted_speedup"]) == pytest.approx([0.625])
     assert list(df["speedup"]) == pytest.approx([0.5])
     assert list(df["prediction_error"]) == pytest.approx([0.25])  # 0.625 / 0.5 - 1
+    assert list(df["retimed_speedup"]) == pytest.approx([0.8]) and list(df["retimed_error"]) == pytest.approx([0.6])
     assert df.attrs["busy_ms"] == "1.00/2.00" and list(df["rounds"]) == [2]
-    assert sp.verdict(df).splitlines()[-1] == "every width within 30 %: yes (worst 16: +25.0 %)"
+    lines = sp.verdict(df).splitlines()
+    assert lines[-2] == "with the compute re-timed instead: every width within 30 %: no (worst 16: +60.0 %)"
+    assert lines[-1] == "every width within 30 %: yes (worst 16: +25.0 %)"
 
 
 def test_the_sweep_has_no_prediction_rule_of_its_own():
@@ -191,19 +201,35 @@ def test_plot_shades_the_rounds_and_says_what_the_prediction_includes():
     lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
     assert (lo, hi) == pytest.approx((0.4, 1.3))
     legend = " ".join(t.get_text() for t in fig.legends[0].get_texts()).replace("\n", " ")
-    for part in ("dtlab.estimate", "compute measured as the ranks run it", "link calibrated in this run",
-                 "wake-up excess", "min-max of 3 rounds"):
+    for part in ("dtlab.estimate", "compute predicted on this machine's measured roofline",
+                 "link calibrated in this run", "wake-up excess", "min-max of 3 rounds"):
         assert part in legend, part
+    assert "re-timed" not in legend  # no re-timed column, no re-timed line
     assert "(×)" in ax.get_ylabel() and "hidden units" in ax.get_xlabel()
+
+
+def test_the_re_timed_comparison_is_drawn_and_named():
+    df = frame([0.5, 0.8, 1.2], predicted=[0.6, 0.9, 1.1])
+    df["retimed_speedup"] = [0.4, 0.7, 1.3]
+    ax = speedup_curve(df).axes[0]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == RETIMED_LABEL]
+    assert line.get_linestyle() == "--" and list(line.get_ydata()) == [0.4, 0.7, 1.3]
+    assert "re-timed" in RETIMED_LABEL and "roofline" in PREDICTION_LABEL
+    df["prediction_error"], df["retimed_error"] = [0.1, -0.2, 0.05], [-0.35, 0.1, 0.0]
+    assert sp.verdict(df).splitlines()[-2:] == [
+        "with the compute re-timed instead: every width within 30 %: no (worst 64: -35.0 %)",
+        "every width within 30 %: yes (worst 128: -20.0 %)"]
+    assert "retimed_speedup" in sp.format_table(df) and "retimed_error" in sp.format_table(df)
 
 
 @pytest.mark.slow
 def test_sweep_on_two_tiny_widths(monkeypatch, no_survivors):
     # measured for real; the prediction's compute is fixed here (main's test below times it for real)
-    monkeypatch.setattr(step, "predict", lambda cfg, model, link: (0.004 * cfg.world_size, []))
+    monkeypatch.setattr(step, "predict", lambda cfg, model, link, compute: (0.004 * cfg.world_size, []))
     link = costmodel.LinkModel(alpha_s=2e-4, beta_s_per_byte=1.5e-9)  # given: no calibration sweep
     lines = []
-    df = sp.speedup_sweep([32, 16], global_batch=32, steps=5, rounds=1, link=link, progress=lines.append)
+    df = sp.speedup_sweep([32, 16], global_batch=32, steps=5, rounds=1, link=link, roofline=NO_ROOFLINE,
+                          progress=lines.append)
     assert list(df.columns) == list(sp.COLUMNS)
     assert list(df["width"]) == [16, 32]
     for col in ("single_ms", "single_1t_ms", "ddp_ms", "compute_ms", "predicted_ddp_ms"):
@@ -224,13 +250,16 @@ def test_sweep_on_two_tiny_widths(monkeypatch, no_survivors):
 def test_main_calibrates_and_writes_the_table_and_figure(monkeypatch, tmp_path, capsys, no_survivors):
     # the link is calibrated and busy_s measured for real; the prediction's compute timing is fixed (it spawns
     # processes for seconds; notebook 11, executed by the test suite, runs the sweep with it for real)
-    monkeypatch.setattr(step, "predict", lambda cfg, model, link: (0.004 * cfg.world_size + link.busy_s, []))
+    monkeypatch.setattr(step, "predict", lambda cfg, model, link, compute: (0.004 * cfg.world_size + link.busy_s,
+                                                                            []))
     out = tmp_path / "demo"
+    saved = NO_ROOFLINE.save(tmp_path / "roofline.json")  # measuring one is tests/test_roofline.py's
     assert sp.main(["--out", str(out), "--widths", "16", "--steps", "5", "--rounds", "1", "--global-batch", "32",
-                    "--quick"]) == 0
+                    "--roofline", str(saved), "--quick"]) == 0
     table = pd.read_csv(out / "crossover.csv")
     assert list(table.columns) == list(sp.COLUMNS) and len(table) == 1
-    assert table[["predicted_single_ms", "predicted_ddp_ms", "prediction_error"]].notna().all().all()
+    assert table[["predicted_single_ms", "predicted_ddp_ms", "prediction_error", "retimed_speedup",
+                  "retimed_error"]].notna().all().all()
     assert (out / "crossover.png").stat().st_size > 0
     assert not (out / "speedup.png").exists()  # compare writes its own speedup.png into the same folder
     printed = capsys.readouterr().out

@@ -28,16 +28,26 @@ where one process on all cores leaves compute on the table.
 **The prediction** is ``dtlab.estimate``'s step time, the one
 ``benchmarks/estimate_error.py`` checks: for each width it predicts the step of
 the ``single`` job and of the ``ddp`` job (``predict_step_s``), and the
-predicted speedup is their ratio. The estimator times the compute as the job's
-ranks run it (dtlab's own loop, in n processes at once for ddp, as the ranks
-share the cores), prices DDP's bucket all-reduces on the link, one after
-another (none overlaps backward where the ranks' threads take every core:
+predicted speedup is their ratio. Its compute is *predicted*, not run: the ops
+of a step at a rank's batch, counted on fake tensors (``roofline.ops``), on this
+machine's measured roofline at the ranks' placement (``roofline.cpu``: 2
+threads x 1 process for ``single``, 1 thread x 2 processes for ``ddp``), plus
+eager PyTorch's measured cost per op. The roofline is measured once
+(``python -m dtlab.analysis.roofline``, saved in ``results/roofline``) and
+reused; the sweep measures and saves it first if there is none for this
+machine. The estimator then prices DDP's bucket all-reduces on the link, one
+after another (none overlaps backward where the ranks' threads take every core:
 ``costmodel.spare_cores``), adds DDP's gradient copies and, once per step, the
 link's ``busy_s``: what an all-reduce costs beyond its price when the ranks
 compute between collectives, slow wake-ups included. The link is calibrated in
 the same run with the estimator's own calibration (``estimate.calibration``:
 an all_reduce sweep at world size n, then ``busy_s`` measured again as each
 round starts). No measured step time enters a prediction.
+
+**The re-timed comparison** (``retimed_*`` columns, the dashed line): the same
+rule with the estimator's ``compute="timed"``, which runs a rank's compute here
+(dtlab's loop at a rank's batch, in n processes at once for ddp) instead of
+predicting it, so only communication is modelled there.
 
 Runs are interleaved: each round runs every width (ascending, then
 descending the next round) and, per width, every role -- the four measured
@@ -52,7 +62,7 @@ every width within ``TOLERANCE`` (``accuracy``).
 
 ``python -m dtlab.analysis.speedup --out DIR`` runs the sweep and writes
 ``crossover.csv`` and ``crossover.png`` there (``make demo`` does: not ``speedup.*``, which ``compare``
-writes into the same folder).
+writes into the same folder). Reading the curve (crossover, verdict, the table) is ``speedup_read``'s.
 """
 
 from __future__ import annotations
@@ -73,9 +83,12 @@ from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.estimate import estimate
 from dtlab.analysis.estimate.calibration import RoundLinks, calibrate_link
+from dtlab.analysis.roofline.cpu import DEFAULT_PATH, Roofline
+from dtlab.analysis.roofline.saved import machine_roofline
+from dtlab.analysis.speedup_read import TOLERANCE, accuracy, closest_approach, crossover, format_table, verdict
 from dtlab.core.config import RunConfig
 from dtlab.plots import save
-from dtlab.plots.crossover import crossing, speedup_curve
+from dtlab.plots.crossover import speedup_curve
 from dtlab.train import run
 
 __all__ = ["COLUMNS", "DEFAULT_WIDTHS", "QUICK_WIDTHS", "TOLERANCE", "accuracy", "baseline_text",
@@ -86,14 +99,16 @@ QUICK_WIDTHS = (64, 256, 1024)
 GLOBAL_BATCH = 512  # large enough that compute dominates a width-2048 step, small enough for a few-minute sweep
 STEPS, ROUNDS = 15, 3
 QUICK_STEPS, QUICK_ROUNDS = 6, 1
-TOLERANCE = 0.30  # the prediction's target: every width's predicted speedup within 30 % of the measured one
 # single and ddp make only all-reduces; calibrate_ops fits each op on its own rows, so other ops would add time only
 LINK_OPS = ("all_reduce",)
-PREDICTED = {"predicted_single": "single", "predicted_ddp": "ddp"}  # a prediction's role -> the run it predicts
+# a prediction's role -> the run it predicts and how its compute is had: on the roofline, or re-timed here
+PREDICTED = {"predicted_single": ("single", "roofline"), "predicted_ddp": ("ddp", "roofline"),
+             "retimed_single": ("single", "timed"), "retimed_ddp": ("ddp", "timed")}
 ROLES = ("single", "single_1t", "ddp", "compute", *PREDICTED)
 COLUMNS = ("width", "params", "gradient_bytes", "buckets", "single_ms", "single_1t_ms", "ddp_ms", "speedup",
            "speedup_min", "speedup_max", "speedup_vs_1t", "compute_ms", "compute_ns_per_byte",
-           "predicted_single_ms", "predicted_ddp_ms", "predicted_speedup", "prediction_error", "rounds")
+           "predicted_single_ms", "predicted_ddp_ms", "predicted_speedup", "prediction_error",
+           "retimed_single_ms", "retimed_ddp_ms", "retimed_speedup", "retimed_error", "rounds")
 Link = LinkModel | LinkSet
 
 
@@ -158,6 +173,7 @@ def _links(link: Link | None, world_size: int, quick: bool, say: Callable[[str],
 def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2, global_batch: int = GLOBAL_BATCH,
                   steps: int = STEPS, rounds: int = ROUNDS, depth: int = 2, optimizer: str = "sgd",
                   cores: int | None = None, link: Link | None = None, quick_link: bool = False,
+                  roofline: Roofline | str | Path | None = None,
                   progress: bool | Callable[[str], None] = False) -> pd.DataFrame:
     """Measured and predicted speedup of ``ddp`` at ``world_size`` over ``single``, one row per MLP width.
 
@@ -171,12 +187,17 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
     per gradient byte); predicted_single_ms and predicted_ddp_ms
     (``predict_step_s``), predicted_speedup (their ratio, the median of the
     rounds') and prediction_error (the median of the rounds' predicted /
-    measured speedup - 1). ``frame.attrs`` holds the baseline in words, the
-    link, busy_s per round, the batch, cores, steps, rounds and the wall time.
+    measured speedup - 1), with the compute predicted on this machine's roofline;
+    retimed_single_ms, retimed_ddp_ms, retimed_speedup and retimed_error: the same
+    with the compute re-timed (``compute="timed"``). ``frame.attrs`` holds the
+    baseline in words, the link, busy_s per round, the roofline's date and load,
+    the batch, cores, steps, rounds and the wall time.
 
     ``link``: a ``LinkModel`` or ``LinkSet`` to use in every round as it is,
     instead of calibrating one and measuring its ``busy_s`` per round;
-    ``quick_link``: a quick calibration (a smoke test, not a measurement).
+    ``quick_link``: a quick calibration, and a quick roofline where one must be
+    measured (a smoke test, not a measurement). ``roofline``: a ``Roofline`` or
+    the path of a saved one (``machine_roofline`` says what None does).
     ``progress``: True prints a line per round, a callable receives them. The
     MLP reads the synthetic 8x8 data set (64 inputs, 10 classes), ``depth``
     hidden layers of ``width`` units.
@@ -190,6 +211,7 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
                      optimizer=optimizer)
     # every RunConfig is built (and so validated) before the first process starts
     plans = {w: _plan(base, w, world_size, c) for w in widths}
+    roof = machine_roofline(roofline, quick_link, say)
     links = _links(link, world_size, quick_link, say)
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
@@ -198,7 +220,7 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
         for i, w in enumerate(order):
             k = (r + i) % len(ROLES)
             for role in ROLES[k:] + ROLES[:k]:
-                rows.append({"round": r, "width": w, "role": role, **_one(role, plans[w], round_link)})
+                rows.append({"round": r, "width": w, "role": role, **_one(role, plans[w], round_link, roof)})
         say(f"round {r + 1}/{rounds}: {len(widths)} widths × {len(ROLES)} runs and predictions, "
             f"{time.perf_counter() - t0:.0f} s")
     frame = _frame(pd.DataFrame(rows), widths)
@@ -208,7 +230,8 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
                         "busy_ms": busy, "beta_ns_per_byte": _all_reduce(first).beta_s_per_byte * 1e9,
                         "world_size": world_size, "global_batch": global_batch, "cores": c, "steps": steps,
                         "rounds": rounds, "optimizer": optimizer, "depth": depth,
-                        "wall_s": time.perf_counter() - t0})
+                        "roofline": f"measured {roof.machine.get('measured', '?')}, load "
+                                    f"{roof.machine.get('load_1min', '?')}", "wall_s": time.perf_counter() - t0})
     return frame
 
 
@@ -216,18 +239,20 @@ def _all_reduce(link: Link) -> LinkModel:
     return link.links.get("all_reduce", link.default) if isinstance(link, LinkSet) else link
 
 
-def predict_step_s(cfg: RunConfig, link: Link) -> float:
-    """Seconds per step of ``cfg`` as ``dtlab.estimate`` predicts it on ``link``: the estimator's own step rule
-    (``estimate.step.predict``), so the sweep, notebook 11 and ``benchmarks/estimate_error.py`` agree."""
-    step_ms = estimate(cfg, link).step_ms
+def predict_step_s(cfg: RunConfig, link: Link, compute: str | Roofline = "timed") -> float:
+    """Seconds per step of ``cfg`` as ``dtlab.estimate`` predicts it on ``link``, its compute ``compute``: the
+    estimator's own step rule (``estimate.step.predict``), so the sweep, notebook 11 and
+    ``benchmarks/estimate_error.py`` agree."""
+    step_ms = estimate(cfg, link, compute).step_ms
     if step_ms is None:
         raise ValueError(f"dtlab.estimate predicted no step time for tier {cfg.tier!r}")
     return step_ms / 1e3
 
 
-def _one(role: str, plan: dict[str, RunConfig], link: Link) -> dict[str, Any]:
+def _one(role: str, plan: dict[str, RunConfig], link: Link, roof: Roofline) -> dict[str, Any]:
     if role in PREDICTED:
-        return {"step_s": predict_step_s(plan[PREDICTED[role]], link)}
+        job, compute = PREDICTED[role]
+        return {"step_s": predict_step_s(plan[job], link, roof if compute == "roofline" else "timed")}
     return _numbers(plan[role])
 
 
@@ -246,6 +271,7 @@ def _frame(runs: pd.DataFrame, widths: list[int]) -> pd.DataFrame:
         per = steps.loc[w]  # one row per round, one column per role
         measured = per["single"] / per["ddp"]
         predicted = per["predicted_single"] / per["predicted_ddp"]
+        retimed = per["retimed_single"] / per["retimed_ddp"]
         error = predicted / measured - 1  # each round's prediction against the same round's measurement
         ddp = runs[(runs["width"] == w) & (runs["role"] == "ddp")]
         sizes = [int(s) for s in ddp["bucket_sizes_bytes"].iloc[0]]
@@ -260,95 +286,11 @@ def _frame(runs: pd.DataFrame, widths: list[int]) -> pd.DataFrame:
             "compute_ms": compute_s * 1e3, "compute_ns_per_byte": compute_s / grad * 1e9 if grad else math.nan,
             "predicted_single_ms": ms["predicted_single"], "predicted_ddp_ms": ms["predicted_ddp"],
             "predicted_speedup": float(predicted.median()), "prediction_error": float(error.median()),
+            "retimed_single_ms": ms["retimed_single"], "retimed_ddp_ms": ms["retimed_ddp"],
+            "retimed_speedup": float(retimed.median()), "retimed_error": float((retimed / measured - 1).median()),
             "rounds": len(per),
         })
     return pd.DataFrame(out, columns=list(COLUMNS))
-
-
-# -- reading the curve ---------------------------------------------------------------------------------------------
-def crossover(frame: pd.DataFrame, column: str = "speedup") -> float | None:
-    """The width where ``column`` (measured speedup by default) first reaches 1, interpolated in log-width.
-
-    Walking up the widths, the first pair of neighbours with speedup < 1 and
-    then >= 1 brackets it; between them the speedup is taken as linear in
-    log(width). None if the speedup never reaches 1; the smallest width if it
-    is >= 1 already there (data parallelism pays from the first width tried).
-    """
-    if "width" not in frame.columns or column not in frame.columns:
-        raise ValueError(f"crossover: the frame needs columns 'width' and {column!r}; got {list(frame.columns)}")
-    df = frame.dropna(subset=["width", column]).sort_values("width")
-    return crossing(df["width"].to_numpy(float), df[column].to_numpy(float))
-
-
-def closest_approach(frame: pd.DataFrame, column: str = "speedup") -> dict[str, float]:
-    """The width where ``column`` is largest: {"width", "speedup"} (where the curve comes closest to paying)."""
-    df = frame.dropna(subset=[column])
-    if df.empty:
-        raise ValueError(f"closest_approach: no {column!r} values")
-    best = df.loc[df[column].idxmax()]
-    return {"width": float(best["width"]), "speedup": float(best[column])}
-
-
-def verdict(frame: pd.DataFrame) -> str:
-    """The answer in a few lines, with this run's numbers: the crossover, or the closest approach; where the
-    prediction puts it; and, last, whether the prediction is within ``TOLERANCE`` at every width (``accuracy``)."""
-    who = frame.attrs.get("baseline", "ddp vs single")
-    measured, predicted = crossover(frame), crossover(frame, "predicted_speedup")
-    if measured is not None:
-        lines = [f"crossover: ddp beats single from width ≈ {measured:.0f} ({who})"]
-    else:
-        best = closest_approach(frame)
-        row = frame.loc[frame["width"] == best["width"]].iloc[0]
-        lines = [f"crossover: none -- ddp never beats single at widths {int(frame['width'].min())}-"
-                 f"{int(frame['width'].max())} ({who}); closest at width {best['width']:.0f}: speedup "
-                 f"{best['speedup']:.2f} (ddp {row['ddp_ms']:.1f} ms vs single {row['single_ms']:.1f} ms)"]
-    lines.append("prediction: " + _predicted_text(frame, predicted))
-    if "speedup_vs_1t" in frame.columns:
-        one = crossover(frame, "speedup_vs_1t")
-        lines.append("against single on 1 thread: " + (f"ddp pays from width ≈ {one:.0f}" if one is not None else
-                                                      f"never (at most {frame['speedup_vs_1t'].max():.2f})"))
-    if "prediction_error" in frame.columns:
-        lines.append(accuracy(frame))
-    return "\n".join(lines)
-
-
-def _predicted_text(frame: pd.DataFrame, predicted: float | None) -> str:
-    df = frame.sort_values("width")
-    if predicted is None:
-        return f"predicts no crossover (at most {df['predicted_speedup'].max():.2f})"
-    above = df[df["predicted_speedup"] >= 1]
-    if (df.loc[df["width"] >= above["width"].min(), "predicted_speedup"] >= 1).all():
-        return f"predicts the crossover at width ≈ {predicted:.0f}"
-    where = ", ".join(f"{int(w)} (predicted ddp {p:.3g} ms, measured {m:.3g} ms)"
-                      for w, p, m in zip(above["width"], above["predicted_ddp_ms"], above["ddp_ms"]))
-    return f"predicts a speedup >= 1 only at width {where}, below 1 elsewhere"
-
-
-def accuracy(frame: pd.DataFrame, tolerance: float = TOLERANCE) -> str:
-    """The prediction's verdict in one line: whether every width's predicted speedup is within ``tolerance``
-    of the measured one (``prediction_error``), and the worst width with its error."""
-    err = frame.dropna(subset=["prediction_error"]).set_index("width")["prediction_error"]
-    if err.empty:
-        raise ValueError("accuracy: the frame has no prediction_error values")
-    worst = err.abs().idxmax()
-    ok = bool((err.abs() <= tolerance).all())
-    return (f"every width within {tolerance * 100:g} %: {'yes' if ok else 'no'} "
-            f"(worst {int(worst)}: {err[worst] * 100:+.1f} %)")
-
-
-def format_table(frame: pd.DataFrame) -> str:
-    """Per width: the step times, the measured speedup with the rounds' spread, the predicted one and its error."""
-    df = frame.copy()
-    if {"speedup_min", "speedup_max"} <= set(df.columns):
-        df["rounds_min-max"] = [f"{lo:.2f}-{hi:.2f}" for lo, hi in zip(df["speedup_min"], df["speedup_max"])]
-    cols = ["width", "params", "single_ms", "single_1t_ms", "ddp_ms", "speedup", "rounds_min-max",
-            "predicted_speedup", "prediction_error", "speedup_vs_1t", "predicted_single_ms", "predicted_ddp_ms",
-            "compute_ns_per_byte"]
-    fmt = {c: "{:.2f}".format for c in ("single_ms", "single_1t_ms", "ddp_ms", "predicted_single_ms",
-                                        "predicted_ddp_ms", "speedup", "speedup_vs_1t", "predicted_speedup",
-                                        "compute_ns_per_byte")}
-    fmt["prediction_error"] = "{:+.0%}".format
-    return df[[c for c in cols if c in df.columns]].to_string(index=False, formatters=fmt)
 
 
 # -- python -m dtlab.analysis.speedup --------------------------------------------------------------------------------
@@ -364,8 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help=f"steps per run (default {STEPS}; quick {QUICK_STEPS})")
     parser.add_argument("--rounds", type=int, default=0, help=f"interleaved rounds (default {ROUNDS}; quick "
                         f"{QUICK_ROUNDS})")
+    parser.add_argument("--roofline", type=Path, default=None, help="a saved roofline.json to predict the compute on "
+                        f"(default: {DEFAULT_PATH} if measured on this machine, else measured first and saved there)")
     parser.add_argument("--quick", action="store_true", default=os.environ.get("DTLAB_QUICK") == "1",
-                        help="few widths, steps and rounds and a quick link calibration (also DTLAB_QUICK=1)")
+                        help="few widths, steps and rounds, a quick link calibration and, if one must be measured, "
+                        "a quick roofline (also DTLAB_QUICK=1)")
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",") if w.strip()] or list(QUICK_WIDTHS if args.quick
                                                                            else DEFAULT_WIDTHS)
@@ -373,16 +318,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     frame = speedup_sweep(widths, world_size=args.world_size, global_batch=args.global_batch,
                           steps=args.steps or (QUICK_STEPS if args.quick else STEPS),
                           rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), quick_link=args.quick,
-                          progress=True)
+                          roofline=args.roofline, progress=True)
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "crossover.csv", index=False)
     png = save(speedup_curve(frame), args.out / "crossover.png")
     a = frame.attrs
     print(f"\n{a['baseline']}; MLP depth {a['depth']}, {a['optimizer']}, {a['steps']} steps × {a['rounds']} "
           "rounds; times are medians over rounds in ms per step; speedup = single / ddp, the median of the rounds' "
-          "(rounds_min-max: their spread); predicted by dtlab.estimate, error = predicted / measured speedup - 1")
+          "(rounds_min-max: their spread); predicted by dtlab.estimate with the compute predicted on this machine's "
+          "roofline (retimed_*: with the compute re-timed instead), error = predicted / measured speedup - 1")
     print(format_table(frame))
-    print(f"link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round {a['busy_ms']} ms; "
+    print(f"roofline {a['roofline']}; link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round "
+          f"{a['busy_ms']} ms; "
           f"wrote {args.out / 'crossover.csv'} and {png} in {time.perf_counter() - t0:.0f} s")
     print(verdict(frame))
     return 0

@@ -16,12 +16,14 @@ from matplotlib.ticker import NullFormatter
 
 from dtlab.plots.style import bottom_legend, figure, require
 
-__all__ = ["PREDICTION_LABEL", "crossing", "speedup_curve"]
+__all__ = ["PREDICTION_LABEL", "RETIMED_LABEL", "crossing", "speedup_curve"]
 
-# What the line is, in the legend: dtlab.estimate's step time for single and for ddp, their ratio
-PREDICTION_LABEL = ("predicted by dtlab.estimate: compute measured as\n"
-                    "the ranks run it, the link calibrated in this run,\n"
-                    "the wake-up excess per wait (busy_s)")
+# What the lines are, in the legend: dtlab.estimate's step time for single and for ddp, their ratio
+PREDICTION_LABEL = ("predicted by dtlab.estimate: compute predicted on\n"
+                    "this machine's measured roofline, the link calibrated\n"
+                    "in this run, the wake-up excess per wait (busy_s)")
+RETIMED_LABEL = ("for comparison, the same with the compute re-timed\n"
+                 "(run here as the ranks run it; only communication modelled)")
 
 
 def crossing(widths: Sequence[float], speedups: Sequence[float], level: float = 1.0) -> float | None:
@@ -70,6 +72,7 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     ddp step time, measured); optional speedup_min and speedup_max (the spread
     of the measured rounds, shaded; ``frame.attrs["rounds"]`` says how many),
     predicted_speedup (``dtlab.estimate``'s, labelled ``PREDICTION_LABEL``),
+    retimed_speedup (the same with re-timed compute, dashed, ``RETIMED_LABEL``),
     speedup_vs_1t (against single on one thread: a second reference),
     gradient_bytes (written under each width) and ddp_ms/single_ms (for the
     annotation). A horizontal line marks break-even (speedup 1); the measured
@@ -93,6 +96,8 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     if "predicted_speedup" in df.columns:
         ax.plot(w, df["predicted_speedup"], "-", color="tab:orange", lw=2,
                 label=f"{PREDICTION_LABEL};\n{_where_above(w, df['predicted_speedup'].to_numpy(float))}")
+    if "retimed_speedup" in df.columns:
+        ax.plot(w, df["retimed_speedup"], "--", color="tab:purple", lw=1.5, label=RETIMED_LABEL)
     ax.plot(w, df["speedup"], "o", color="tab:blue", ms=8, zorder=3,
             label="measured: ddp vs single (all cores), median of rounds")
     cross = crossing(w, df["speedup"].to_numpy(float))
@@ -111,8 +116,8 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     nbytes = df["gradient_bytes"].to_numpy(float) if "gradient_bytes" in df.columns else [None] * len(w)
     ax.set_xticks(w, [_tick_label(x, b) for x, b in zip(w, nbytes)])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    values = [df[c].to_numpy(float) for c in ("speedup", "speedup_max", "predicted_speedup", "speedup_vs_1t")
-              if c in df.columns]
+    values = [df[c].to_numpy(float) for c in ("speedup", "speedup_max", "predicted_speedup", "retimed_speedup",
+                                              "speedup_vs_1t") if c in df.columns]
     top = max(1.2, float(np.nanmax(np.concatenate(values))) * 1.15)
     ax.set_ylim(0, top)
     below = "\n(and MB of gradients all-reduced per step)" if "gradient_bytes" in df.columns else ""

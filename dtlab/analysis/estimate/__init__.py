@@ -33,6 +33,7 @@ from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.estimate import step
 from dtlab.analysis.estimate.memory import RankMemory, per_rank
+from dtlab.analysis.roofline.cpu import Roofline
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job
 from dtlab.core.results import RunResult, max_per_kind
@@ -68,9 +69,12 @@ class Estimate:
         return json.dumps(out, indent=2)
 
 
-def estimate(cfg: RunConfig, link: LinkModel | LinkSet | None = None) -> Estimate:
+def estimate(cfg: RunConfig, link: LinkModel | LinkSet | None = None,
+             compute: str | Roofline = "timed") -> Estimate:
     """The job's predicted memory per rank (and its largest rank's), without starting a process; with a
-    ``link`` (an alpha-beta LinkModel, or a LinkSet of one per collective), also its step time."""
+    ``link`` (an alpha-beta LinkModel, or a LinkSet of one per collective), also its step time, its
+    compute ``"timed"`` here (the default) or ``"predicted"`` on this machine's saved roofline (or on
+    the ``Roofline`` given): see ``estimate.step``."""
     ranks = per_rank(cfg)
     top = max(ranks, key=lambda r: r.total)
     notes = [f"tier {cfg.tier}, world size {cfg.world_size}, {cfg.model} width {cfg.model_size} depth "
@@ -85,7 +89,7 @@ def estimate(cfg: RunConfig, link: LinkModel | LinkSet | None = None) -> Estimat
                      "LinkModel.from_bandwidth) to predict it")
     else:
         model = build_job(cfg, torch.device("meta"))[0]
-        seconds, step_notes = step.predict(cfg, model, link)
+        seconds, step_notes = step.predict(cfg, model, link, compute)
         step_ms, notes = seconds * 1e3, notes + step_notes
     return Estimate({k: top.memory.get(k, 0) for k in KINDS}, top.total, step_ms, notes, ranks)
 

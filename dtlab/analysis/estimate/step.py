@@ -1,8 +1,11 @@
-"""A step's time, predicted: one rank's compute (timed on this machine) plus each tier's communication on a link.
+"""A step's time, predicted: one rank's compute (timed, or predicted on a roofline) plus each tier's communication.
 
 Compute is timed as the job's ranks would run it: in as many processes at once as the job has ranks
 (they share this machine's cores and memory), each running dtlab's own loop, so the loop's own work
 is in the prediction too (``probe.loop_phases``; the pipeline's stages are timed bare, per stage).
+With ``compute="predicted"`` (or a ``roofline.cpu.Roofline``) nothing is timed for the single tier,
+the DDP family and ``zero``: a rank's phases come from its ops on this machine's measured roofline
+(``roofline.predict.predicted_phases``), DDP's gradient copies from its bandwidth.
 
 The link is an alpha-beta ``LinkModel`` (``dtlab.analysis.costmodel``): calibrated
 on a collectives sweep, or built from a bandwidth and latency for a what-if; or a
@@ -48,6 +51,8 @@ from dtlab.analysis.costmodel.linkset import LinkSet
 from dtlab.analysis.costmodel.step import predict_ddp_step, spare_cores
 from dtlab.analysis.estimate import compute, probe
 from dtlab.analysis.estimate.memory import nbytes, zero_partition
+from dtlab.analysis.roofline.cpu import Roofline
+from dtlab.analysis.roofline.predict import predicted_phases
 from dtlab.core.compat import ddp_bucket_assignment
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
@@ -56,6 +61,9 @@ from dtlab.tiers.pipeline_stages import MULTI_STAGE
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
 PROBED_TIERS = ("fsdp", "tp", "fsdp-tp", "cp")
 STEP_TIERS = ("single", "ddp", "multinode", "elastic", "zero", "pipeline", *PROBED_TIERS)
+# the tiers whose compute is the single tier's at a rank's batch: what compute="predicted" covers
+PREDICTED_TIERS = ("single", "ddp", "multinode", "elastic", "zero")
+COMPUTE = ("timed", "predicted")
 
 
 def ddp_buckets(model: nn.Module, cap_mb: float) -> list[int]:
@@ -65,14 +73,41 @@ def ddp_buckets(model: nn.Module, cap_mb: float) -> list[int]:
     return [sum(nbytes(params[i]) for i in g) for g in groups]
 
 
-def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tuple[float, list[str]]:
-    """Seconds per step and the assumptions behind them; ValueError naming a tier without a rule."""
+def roofline_of(compute: str | Roofline) -> Roofline | None:
+    """The roofline ``compute`` names (None: compute is timed); ValueError naming ``compute`` otherwise."""
+    if isinstance(compute, Roofline):
+        return compute
+    if compute == "timed":
+        return None
+    if compute == "predicted":
+        return Roofline.load()  # the saved measurement (python -m dtlab.analysis.roofline)
+    raise ValueError(f"estimate: compute={compute!r} is invalid: choose {' or '.join(map(repr, COMPUTE))}, "
+                     "or give a Roofline")
+
+
+def _compute_note(cfg: RunConfig, roof: Roofline | None, n: int) -> str:
+    if roof is None:
+        return (f"compute timed with {cfg.resolved_threads} thread(s), as one rank of the job gets, in {n} "
+                "process(es) at once, as the job's ranks share this machine, each running dtlab's loop (the "
+                "single tier at a rank's batch, or the tier itself on the fake backend)")
+    return (f"compute predicted, not timed: the ops of a step at a rank's batch (counted on fake tensors) on this "
+            f"machine's roofline at {cfg.resolved_threads} thread(s) x {n} copies (measured "
+            f"{roof.machine.get('measured', '?')}), plus eager PyTorch's measured cost per op and per step")
+
+
+def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet,
+            compute_from: str | Roofline = "timed") -> tuple[float, list[str]]:
+    """Seconds per step and the assumptions behind them; ValueError naming a tier without a rule.
+    ``compute_from``: ``"timed"`` (a rank's compute run here), ``"predicted"`` (on the saved roofline) or a
+    ``Roofline``."""
     if cfg.tier not in STEP_TIERS:
         raise ValueError(f"estimate: no step-time rule for tier {cfg.tier!r} yet (rules: {', '.join(STEP_TIERS)})")
+    roof = roofline_of(compute_from)
+    if roof is not None and cfg.tier not in PREDICTED_TIERS:
+        raise ValueError(f"estimate: compute='predicted' covers tiers {', '.join(PREDICTED_TIERS)} (a rank's "
+                         f"compute is the single tier's); tier {cfg.tier!r} needs compute='timed'")
     n = cfg.world_size
-    notes = [f"compute timed with {cfg.resolved_threads} thread(s), as one rank of the job gets, in {n} "
-             f"process(es) at once, as the job's ranks share this machine, each running dtlab's loop (the single "
-             f"tier at a rank's batch, or the tier itself on the fake backend); link: {link.label}"]
+    notes = [f"{_compute_note(cfg, roof, n)}; link: {link.label}"]
     if link.busy_s and n > 1:
         notes.append(f"each collective the training thread blocks on: its price {link.busy_s * 1e3:+.3g} ms (busy_s, "
                      "measured between compute on this machine, slow wake-ups included)")
@@ -85,13 +120,16 @@ def predict(cfg: RunConfig, model: nn.Module, link: LinkModel | LinkSet) -> tupl
     # one rank's batch (one micro-batch of it) in dtlab's own loop, as the single tier runs it
     solo = cfg.replace(tier="single", world_size=1, global_batch_size=cfg.per_rank_batch // acc,
                        threads_per_rank=cfg.resolved_threads)
-    ph = probe.loop_phases(solo, copies=n)
+    ph = probe.loop_phases(solo, copies=n) if roof is None else predicted_phases(solo, roof, copies=n)
     ph = {k: v * acc if k in ("forward", "backward") else v for k, v in ph.items()}
     if cfg.tier == "single":
         return sum(ph.values()), notes
     grad_bytes = sum(nbytes(p) for p in model.parameters())
     passes = 1 if getattr(cfg.tier_options, "gradient_as_bucket_view", False) else 3
-    overhead = passes * grad_bytes * compute.copy_seconds_per_byte()
+    # a copy reads and writes each byte: at the roofline's bandwidth when predicted, else timed here
+    per_byte = (2 / roof.placement(cfg.resolved_threads, n)[0].device.memory_bandwidth if roof is not None
+                else compute.copy_seconds_per_byte())
+    overhead = passes * grad_bytes * per_byte
     buckets = ddp_buckets(model, cfg.tier_options.bucket_cap_mb)
     notes.append(f"{len(buckets)} DDP bucket(s); DDP's own copies: {passes} pass(es) over the gradients")
     # gloo's all-reduce is CPU work: beside backward only on a core the ranks leave free (a GPU's runs on the device)
