@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,13 +35,14 @@ def test_named_sizes_have_their_published_parameter_counts():
 
 
 def test_activation_formulas_are_korthikantis():
-    m = P.LLAMA2_7B
+    m = dataclasses.replace(P.LLAMA2_7B, flash_attention=False)  # their formulas keep the s x s scores
     s, h, a, b = m.seq, m.hidden, m.heads, 2
     assert m.activation_bytes(b) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
     assert m.activation_bytes(b, tp=4) == pytest.approx(s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))
     assert m.activation_bytes(b, tp=4, sequence_parallel=True) == pytest.approx(s * b * h / 4 * (34 + 5 * a * s / h))
     assert m.activation_bytes(b, recompute="selective") == pytest.approx(s * b * h * 34)
     assert m.activation_bytes(b, recompute="full") == pytest.approx(2 * s * b * h)
+    assert P.LLAMA2_7B.activation_bytes(b) == pytest.approx(s * b * h * 34)  # flash attention stores no scores
 
 
 def test_zero_stages_shrink_memory_as_the_paper_says():
@@ -91,7 +94,7 @@ def test_more_bandwidth_never_slows_a_step():
     slow = P.Cluster(**{**fast.__dict__, "name": "slow", "inter_bus_bandwidth": fast.inter_bus_bandwidth / 10})
     a = P.search(P.LLAMA2_7B, fast, gpus=32, global_batch=256).table.set_index(["dp", "tp", "pp", "zero",
                                                                                 "checkpointing", "micro_batch",
-                                                                                "precision"])
+                                                                                "precision", "schedule"])
     b = P.search(P.LLAMA2_7B, slow, gpus=32, global_batch=256).table.set_index(a.index.names)
     assert (b.loc[a.index, "step_s"] >= a["step_s"] - 1e-12).all()
     assert (b.loc[a.index, "step_s"] > a["step_s"]).any()
@@ -102,7 +105,10 @@ def test_more_bandwidth_never_slows_a_step():
     (lambda: P.search(P.LLAMA2_7B, P.H100_SXM, gpus=8, global_batch=-4), "global_batch"),
     (lambda: P.search(P.LLAMA2_7B, P.H100_SXM, gpus=0, global_batch=8), "gpus"),
     (lambda: P.search(P.LLAMA2_7B, P.H100_SXM, gpus=12, global_batch=96), "gpus"),
-    (lambda: P.search(P.LLAMA2_7B, P.H100_SXM, gpus=8, global_batch=64, mfu=1.5), "mfu"),
+    (lambda: check_layout(P.LLAMA2_7B, P.H100_SXM, Layout(2, 1, 4, 0, "none", 1, "bf16", interleave=3,
+                                                          schedule="interleaved"), 64), "interleave"),
+    (lambda: check_layout(P.LLAMA2_7B, P.H100_SXM, Layout(2, 1, 2, 0, "none", 1, "bf16", schedule="wavy"), 64),
+     "schedule"),
     (lambda: P.TransformerSpec("x", layers=2, hidden=100, heads=3, kv_heads=3, ffn=400, seq=8, vocab=10), "heads"),
     (lambda: P.TransformerSpec("x", layers=0, hidden=64, heads=2, kv_heads=2, ffn=256, seq=8, vocab=10), "layers"),
     (lambda: check_layout(P.LLAMA2_7B, P.H100_SXM, Layout(2, 1, 2, 3, "none", 1, "bf16"), 8), "zero"),

@@ -129,9 +129,9 @@ def table_html(table: pd.DataFrame) -> str:
         rows.append(f"<tr><td>{int(r['rank'])}</td><td>{int(r['dp'])}×{int(r['tp'])}×{int(r['pp'])}</td>"
                     f"<td>{int(r['zero'])}</td><td>{r['checkpointing']}</td><td>{int(r['micro_batch'])} × "
                     f"{int(r['micro_batches'])}</td><td>{r['precision']}</td><td>{r['peak_bytes'] / 1e9:.1f}</td>"
-                    f"<td>{ok}</td><td>{r['step_s']:.2f}</td><td>{r['mfu']:.0%}</td></tr>")
+                    f"<td>{ok}</td><td>{r['step_s']:.2f}</td><td>{r['mfu']:.0%}</td><td>{r['hfu']:.0%}</td></tr>")
     head = ("<tr><th>rank</th><th>dp×tp×pp</th><th>ZeRO</th><th>checkpointing</th><th>micro-batch × count</th>"
-            "<th>precision</th><th>GB per GPU</th><th></th><th>step (s)</th><th>MFU</th></tr>")
+            "<th>precision</th><th>GB per GPU</th><th></th><th>step (s)</th><th>MFU</th><th>HFU</th></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 
@@ -139,14 +139,14 @@ class Planner:
     """Model, batch and cluster controls; the ranked layouts; a scaled-down run of the chosen one.
 
     Keyword arguments set the first values: ``model`` ("7B", "70B"), ``global_batch``,
-    ``cluster`` ("H100", "H200", "A100"), ``gpus`` and ``mfu``.
+    ``cluster`` ("H100", "H200", "A100") and ``gpus``. MFU and HFU are outputs, never settings.
     """
 
     def __init__(self, **defaults: Any) -> None:
-        unknown = set(defaults) - {"model", "global_batch", "cluster", "gpus", "mfu"}
+        unknown = set(defaults) - {"model", "global_batch", "cluster", "gpus"}
         if unknown:
             raise ValueError(f"planner({sorted(unknown)[0]}=...): no such setting; choose from model, global_batch, "
-                             f"cluster, gpus, mfu")
+                             f"cluster, gpus")
         self._syncing = False
         self.plan: plan_lib.Plan | None = None
         self.last_run: ScaledRun | None = None
@@ -159,7 +159,6 @@ class Planner:
                                          description="cluster", style=STYLE)
         self.cluster_fields = {label: w.FloatText(description=label, style=STYLE) for label in CLUSTER_FIELDS}
         self.gpus = w.IntText(value=defaults.get("gpus", 64), description="GPUs", style=STYLE)
-        self.mfu = w.FloatText(value=defaults.get("mfu", plan_lib.MFU), description="MFU (assumed)", style=STYLE)
         self.plan_button = w.Button(description="Plan", button_style="info", icon="calculator")
         self.pick = w.Dropdown(description="layout to run", style=STYLE, layout={"width": "95%"})
         self.run_button = w.Button(description="Run it here, scaled down", button_style="success", icon="play",
@@ -217,24 +216,28 @@ class Planner:
         return TransformerSpec("custom", **values)
 
     def cluster(self) -> Cluster:
-        """The preset, or the typed figures (line rates taken equal to the typed bus bandwidths)."""
+        """The preset, or the typed figures (line rates taken equal to the typed bus bandwidths; the H100's
+        peaks per dtype and efficiency curves scaled to the typed bf16 peak)."""
         if self.cluster_preset.value != "custom":
             return plan_lib.CLUSTERS[self.cluster_preset.value]
         values = {name: self.cluster_fields[label].value * scale for label, (name, scale) in CLUSTER_FIELDS.items()}
         values["gpus_per_node"] = int(values["gpus_per_node"])
         base = plan_lib.H100_SXM
+        factor = values.pop("peak_flops") / base.peak_flops
+        if not factor > 0:
+            raise ValueError("bf16 peak (TFLOP/s) is invalid: must be > 0")
+        device = dataclasses.replace(base.device, name="custom GPU",
+                                     peak_flops={k: v * factor for k, v in base.device.peak_flops.items()})
         return dataclasses.replace(base, name="custom cluster", intra_line_rate=values["intra_bus_bandwidth"],
-                                   inter_line_rate=values["inter_bus_bandwidth"],
-                                   peak_flops_fp32=values["peak_flops"] * base.peak_flops_fp32 / base.peak_flops,
-                                   source="figures typed into the planner (fp32 peak scaled from the H100's ratio)",
-                                   **values)
+                                   inter_line_rate=values["inter_bus_bandwidth"], device=device,
+                                   source="figures typed into the planner (the H100's other figures)", **values)
 
     # -- planning ------------------------------------------------------------------------
     def update(self) -> plan_lib.Plan | None:
         """Plan with the controls' values; a bad value is named in the panel, nothing else changes."""
         try:
             cluster = self.cluster()
-            self.plan = plan_lib.search(self.model(), cluster, self.gpus.value, self.batch.value, mfu=self.mfu.value)
+            self.plan = plan_lib.search(self.model(), cluster, self.gpus.value, self.batch.value)
         except ValueError as exc:
             self.message.value = f"<span style='color:#b00'>cannot plan this: {html.escape(str(exc))}</span>"
             self.run_button.disabled = True
@@ -310,7 +313,7 @@ class Planner:
     def widget(self) -> w.Widget:
         model_box = w.VBox([w.HTML("<b>model</b>"), self.preset, *self.model_fields.values(), self.batch])
         cluster_box = w.VBox([w.HTML("<b>cluster</b>"), self.cluster_preset, *self.cluster_fields.values(),
-                              self.gpus, self.mfu])
+                              self.gpus])
         return w.VBox([w.HBox([model_box, cluster_box]), self.plan_button, self.message, self.table,
                        self.bars_image, self.assumptions, w.HTML("<b>run one here</b>"), self.pick, self.run_button,
                        self.note, self.progress, self.status, self.run_image, w.HTML("<b>log</b>"), self.log])

@@ -6,16 +6,22 @@
     plan.assumptions           # every figure and formula it rests on
     cfg = planner.scaled_down(plan.best())   # the same strategies, as a job this machine runs
 
-Pure arithmetic on published figures (``clusters``) and a model's shape
-(``transformer``); ``search`` enumerates the layouts. Nothing here starts a
-process: the app layer (``dtlab.widgets.planner``) runs the scaled-down job.
+Pure arithmetic on published figures (``clusters``, and the GPUs in
+``dtlab.analysis.roofline.devices``) and a model's shape (``transformer``):
+``ops`` lists a step's operations, ``step`` times them on the GPU's roofline with
+each strategy's communication and bubble (``overlap``, ``network``), ``memory``
+counts the bytes, ``search`` enumerates the layouts. ``validate`` holds the whole
+model against published runs (``python -m dtlab.analysis.planner.validate``).
+Nothing here starts a process: the app layer (``dtlab.widgets.planner``) runs the
+scaled-down job.
 """
 
 from __future__ import annotations
 
 from dtlab.analysis.planner.clusters import A100_80GB, CLUSTERS, H100_SXM, H200_SXM, Cluster
+from dtlab.analysis.planner.layout import SCHEDULES, Layout
 from dtlab.analysis.planner.scaled import scaled_down, scaled_tier
-from dtlab.analysis.planner.search import KINDS, MFU, Layout, Plan, assumptions, evaluate, layouts, search
+from dtlab.analysis.planner.search import KINDS, Plan, assumptions, evaluate, layouts, search
 from dtlab.analysis.planner.transformer import (
     LLAMA2_7B,
     LLAMA2_70B,
@@ -25,7 +31,7 @@ from dtlab.analysis.planner.transformer import (
     from_charformer,
 )
 
-__all__ = ["A100_80GB", "CLUSTERS", "H100_SXM", "H200_SXM", "KINDS", "LLAMA2_70B", "LLAMA2_7B", "MFU", "MIXTRAL_8X7B",
-           "MODELS",
+__all__ = ["A100_80GB", "CLUSTERS", "H100_SXM", "H200_SXM", "KINDS", "LLAMA2_70B", "LLAMA2_7B", "MIXTRAL_8X7B",
+           "MODELS", "SCHEDULES",
            "Cluster", "Layout", "Plan", "TransformerSpec", "assumptions", "evaluate", "from_charformer", "layouts",
            "scaled_down", "scaled_tier", "search"]

@@ -12,8 +12,10 @@ Two kinds of figure are kept apart:
 The ratio of the two is the bandwidth efficiency the planner assumes; it is
 shown, never folded in silently (``Cluster.describe``). The latencies are NCCL's
 own tuning-model constants for one ring step of the Simple protocol (the one
-large messages use). How much of the peak FLOPs a step achieves is not a property
-of the cluster: it is the planner's ``mfu`` assumption (``search.MFU``).
+large messages use). The GPU itself is a roofline ``Device``
+(``dtlab.analysis.roofline.devices``): its peaks per dtype, its memory bandwidth and
+its GEMM efficiency curve, each cited there. How much of the peak a step achieves
+is not a figure of the cluster: the planner works it out (``planner.step``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import math
 from dataclasses import dataclass
 
 from dtlab.analysis.costmodel.links import LinkModel
+from dtlab.analysis.roofline import devices
+from dtlab.analysis.roofline.model import Device
 
 GB = 1e9  # bytes: vendors quote memory in GB of 10^9 bytes
 
-__all__ = ["A100_80GB", "CLUSTERS", "Cluster", "H100_SXM", "H200_SXM", "get"]
+__all__ = ["A100_80GB", "BY_GPU", "CLUSTERS", "Cluster", "H100_SXM", "H200_SXM", "by_gpu", "get"]
 
 
 def _positive(name: str, value: float) -> None:
@@ -45,8 +49,7 @@ class Cluster:
     name: str
     gpu_memory_bytes: float
     gpus_per_node: int
-    peak_flops: float  # bf16 dense tensor-core FLOP/s of one GPU (no sparsity)
-    peak_flops_fp32: float  # fp32 FLOP/s without tensor cores (PyTorch's default for fp32 matmuls)
+    device: Device  # the GPU: peaks per dtype, memory bandwidth, GEMM efficiency (roofline.devices)
     intra_line_rate: float  # NVLink, one direction, per GPU
     intra_bus_bandwidth: float
     intra_latency_s: float
@@ -58,6 +61,8 @@ class Cluster:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("Cluster.name is empty: give the cluster a name")
+        if not isinstance(self.device, Device):
+            raise ValueError(f"Cluster.device={self.device!r} is invalid: give a roofline Device")
         for field in ("gpu_memory_bytes", "peak_flops", "peak_flops_fp32", "intra_line_rate",
                       "intra_bus_bandwidth", "inter_line_rate", "inter_bus_bandwidth"):
             _positive(field, getattr(self, field))
@@ -67,6 +72,16 @@ class Cluster:
                 raise ValueError(f"Cluster.{field}={value!r} is invalid: must be >= 0 seconds")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"Cluster.gpus_per_node={self.gpus_per_node!r} is invalid: must be an integer >= 1")
+
+    @property
+    def peak_flops(self) -> float:
+        """bf16 dense tensor-core FLOP/s of one GPU (no sparsity)."""
+        return self.device.peak("bf16")
+
+    @property
+    def peak_flops_fp32(self) -> float:
+        """fp32 FLOP/s without tensor cores (PyTorch's default for fp32 matmuls)."""
+        return self.device.peak("fp32")
 
     @property
     def intra_efficiency(self) -> float:
@@ -121,7 +136,7 @@ _HOPPER_LINKS = (
 
 H100_SXM = Cluster(
     name="8x H100 SXM 80GB, NVLink 4 + 400 Gb/s NDR",
-    gpu_memory_bytes=80 * GB, gpus_per_node=8, peak_flops=989e12, peak_flops_fp32=67e12,
+    gpu_memory_bytes=80 * GB, gpus_per_node=8, device=devices.H100_SXM,
     intra_line_rate=450 * GB, intra_bus_bandwidth=370 * GB, intra_latency_s=3.4e-6,
     inter_line_rate=50 * GB, inter_bus_bandwidth=48 * GB, inter_latency_s=9.6e-6,
     source=("GPU: 80 GB HBM3 (DGX BasePOD reference architecture: '640 GB total GPU memory' for 8 GPUs); "
@@ -131,7 +146,7 @@ H100_SXM = Cluster(
 
 H200_SXM = Cluster(
     name="8x H200 SXM 141GB, NVLink 4 + 400 Gb/s NDR",
-    gpu_memory_bytes=141 * GB, gpus_per_node=8, peak_flops=989e12, peak_flops_fp32=67e12,
+    gpu_memory_bytes=141 * GB, gpus_per_node=8, device=devices.H200_SXM,
     intra_line_rate=450 * GB, intra_bus_bandwidth=370 * GB, intra_latency_s=3.4e-6,
     inter_line_rate=50 * GB, inter_bus_bandwidth=48 * GB, inter_latency_s=9.6e-6,
     source=("GPU: 141 GB HBM3e (DGX BasePOD reference architecture: '1,128 GB total GPU memory for H200' over 8 "
@@ -142,7 +157,7 @@ H200_SXM = Cluster(
 
 A100_80GB = Cluster(
     name="8x A100 SXM 80GB, NVLink 3 + 200 Gb/s HDR",
-    gpu_memory_bytes=80 * GB, gpus_per_node=8, peak_flops=312e12, peak_flops_fp32=19.5e12,
+    gpu_memory_bytes=80 * GB, gpus_per_node=8, device=devices.A100_80GB,
     intra_line_rate=300 * GB, intra_bus_bandwidth=230 * GB, intra_latency_s=3.4e-6,
     inter_line_rate=25 * GB, inter_bus_bandwidth=24 * GB, inter_latency_s=9.6e-6,
     source=("GPU: 80 GB HBM2e, 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, NVLink 3 at 600 GB/s both ways = 300 GB/s "
@@ -154,6 +169,7 @@ A100_80GB = Cluster(
             "(NVIDIA's S. Jeaugey, github.com/NVIDIA/nccl/issues/412). " + _NCCL_LATENCY))
 
 CLUSTERS: dict[str, Cluster] = {"H100": H100_SXM, "H200": H200_SXM, "A100": A100_80GB}
+BY_GPU: dict[str, Cluster] = {"H100_SXM": H100_SXM, "H200_SXM": H200_SXM, "A100_80GB": A100_80GB}
 
 
 def get(name: str) -> Cluster:
@@ -161,3 +177,11 @@ def get(name: str) -> Cluster:
     if name not in CLUSTERS:
         raise ValueError(f"unknown cluster preset {name!r}: choose one of {', '.join(CLUSTERS)}")
     return CLUSTERS[name]
+
+
+def by_gpu(name: str) -> Cluster:
+    """A preset by its GPU's key (``A100_80GB``, ``H100_SXM``, ``H200_SXM``), as ``data/published_runs.csv``
+    names it."""
+    if name not in BY_GPU:
+        raise ValueError(f"unknown gpu {name!r}: choose one of {', '.join(BY_GPU)}")
+    return BY_GPU[name]

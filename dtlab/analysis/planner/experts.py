@@ -9,17 +9,14 @@ all-to-alls (dispatch, combine) in forward and two in backward (GShard, Lepikhin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dtlab.analysis.planner.clusters import Cluster
+from dtlab.analysis.planner.layout import Layout
+from dtlab.analysis.planner.network import group, seconds
 from dtlab.analysis.planner.transformer import TransformerSpec
-
-if TYPE_CHECKING:
-    from dtlab.analysis.planner.search import Layout
 
 __all__ = ["all_to_all_bytes", "ep_assumptions", "ep_time", "per_gpu"]
 
-VALUE_BYTES = {"bf16": 2, "fp32": 4}  # activations' bytes per value (search.ACTIVATION_BYTES)
+VALUE_BYTES = {"bf16": 2, "fp32": 4}  # activations' bytes per value (memory.ACTIVATION_BYTES)
 
 
 def per_gpu(dense: float, expert: float, layout: Layout, nbytes: int, stage: int) -> float:
@@ -33,21 +30,20 @@ def per_gpu(dense: float, expert: float, layout: Layout, nbytes: int, stage: int
 def all_to_all_bytes(model: TransformerSpec, layout: Layout) -> float:
     """One dispatch's bytes per GPU: a micro-batch's tokens (this tp rank's share of them, under sequence
     parallelism) x top_k rows of hidden values."""
-    tokens = layout.micro_batch * model.seq / layout.tp
+    tokens = layout.micro_batch * model.seq / (layout.tp * layout.cp)
     return tokens * model.top_k * model.hidden * VALUE_BYTES[layout.precision]
 
 
 def ep_time(model: TransformerSpec, cluster: Cluster, layout: Layout, micro_batches: int) -> float:
     """Seconds of all-to-all per step: dispatch and combine in forward, again in backward (and in a replayed
-    forward), every MoE layer of a stage and micro-batch, none overlapped. An all-to-all is priced as a pairwise
-    exchange: n - 1 messages, (n - 1) / n of the bytes leave each GPU (a ring all-gather's terms)."""
+    forward), every MoE layer of a stage and micro-batch, none overlapped (``network.seconds``: the share for
+    the node's other GPUs over NVLink, the rest over the NICs)."""
     if layout.ep == 1:
         return 0.0
-    inside = layout.ep * layout.tp <= cluster.gpus_per_node
-    link = cluster.intra_link() if inside else cluster.inter_link(cluster.gpus_per_node // layout.tp)
     count = 4 + (2 if layout.checkpointing == "full" else 0)
-    per = link.predict("all_gather", all_to_all_bytes(model, layout), layout.ep)
-    return micro_batches * model.layers // layout.pp * count * per
+    ranks = group(cluster, layout.ep, layout.tp * layout.cp)
+    per = seconds(cluster, "all_to_all", all_to_all_bytes(model, layout), ranks)
+    return micro_batches * layout.stage_layers(model.layers) * count * per
 
 
 def ep_assumptions(model: TransformerSpec) -> list[str]:
@@ -55,5 +51,5 @@ def ep_assumptions(model: TransformerSpec) -> list[str]:
         return []
     return [f"expert parallel: ep divides dp and the {model.experts} experts; each MoE layer's dispatch and combine "
             "all-to-alls (forward, backward, and a replayed forward) exposed, priced as pairwise exchanges on NVLink "
-            "when ep x tp GPUs fit in a node, else on the NICs; expert weights data-parallel (and ZeRO-sharded) over "
+            "inside a node and on the NICs between nodes; expert weights data-parallel (and ZeRO-sharded) over "
             "dp / ep GPUs; the router's load taken as even"]

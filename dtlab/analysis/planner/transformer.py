@@ -19,9 +19,11 @@ Nothing is built: a 70B model is a handful of integers. The formulas and where t
   ``s b h (34 + 5 a s / h)`` with 16-bit activations; with tensor parallelism over t
   ranks ``s b h (10 + 24/t + 5 a s/(h t))``; with sequence parallelism too
   ``s b h / t (34 + 5 a s / h)``; selective recomputation drops the ``5 a s / h``
-  term (the attention core is recomputed); full recomputation keeps ``2 s b h`` (the
-  layer's input). Their coefficients are for a GPT block (a 4h MLP, multi-head
-  attention); for other blocks they are an approximation, and ``assumptions`` says so.
+  term (the attention core is recomputed), and so does a flash attention, which never
+  stores the scores (``flash_attention``, the default; Megatron-LM's 2021-2022 runs
+  materialised them); full recomputation keeps ``2 s b h`` (the layer's input). Their
+  coefficients are for a GPT block (a 4h MLP, multi-head attention); for other blocks
+  they are an approximation, and ``assumptions`` says so.
   A mixture of experts keeps each token's MLP activations once per chosen expert:
   ``(k - 1)`` more copies of the MLP's share (its input 2 s b h and its two
   intermediates 16 s b h, scaled by ffn / 4h).
@@ -75,6 +77,7 @@ class TransformerSpec:
     source: str = ""
     experts: int = 1  # > 1: every MLP is a mixture of this many experts with a router
     top_k: int = 1  # experts each token uses
+    flash_attention: bool = True  # False: the s x s scores are written to memory (softmax, dropout), as before 2022
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k"):
@@ -191,7 +194,7 @@ class TransformerSpec:
         scale = bytes_per_value / 2  # the paper counts 16-bit values (and 1-byte dropout masks)
         if recompute == "full":
             return 2 * s * b * h * scale
-        scores = 0.0 if recompute == "selective" else 5 * a * s / h
+        scores = 0.0 if recompute == "selective" or self.flash_attention else 5 * a * s / h
         if tp == 1 or sequence_parallel:
             per = s * b * h / tp * (34 + scores)
         else:
