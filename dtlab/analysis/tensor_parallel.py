@@ -21,9 +21,10 @@ from dtlab.core.comm import bus_factor
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
 from dtlab.core.results import RunResult
+from dtlab.train import run
 
 __all__ = ["by_op_and_bytes", "bytes_by_formula", "calls_by_tag", "recorded_per_step", "sent_bytes_per_step",
-           "textbook_collectives", "tp_bytes_per_step"]
+           "textbook_collectives", "tp_bytes_per_step", "width_sweep"]
 
 FLOAT = 4  # bytes of an fp32 activation
 
@@ -130,3 +131,21 @@ def bytes_by_formula(cfg: RunConfig, vocab: int = 0, input_features: int = 64,
     tp_params = sum(t.numel() * t.element_size() for t in local)
     tp_comm = tp_bytes_per_step(textbook_collectives(cfg, vocab, input_features, classes))
     return {"ddp": (p, p), "fsdp": (3 * p, p / cfg.world_size), "tp": (tp_comm, tp_params)}
+
+
+def width_sweep(job: RunConfig, widths: list[int], vocab: int = 0) -> pd.DataFrame:
+    """``job`` (a tp job) run by ddp, fsdp and tp at each width: rank 0's bytes per training step and parameter
+    bytes, measured and by ``bytes_by_formula``, and their ratios."""
+    rows = []
+    for width in widths:
+        formulas = bytes_by_formula(job.replace(model_size=width), vocab=vocab)
+        for tier in ("ddp", "fsdp", "tp"):
+            r = run(job.replace(tier=tier, model_size=width), progress=False)
+            ev = r.events_frame()
+            ev = ev[(ev["rank"] == 0) & (ev["step"] >= 0) & (ev["step"] < r.config.steps)]  # no set-up, no gather
+            rows.append({"tier": tier, "width": width, "comm_bytes": ev["bytes"].sum() / r.config.steps,
+                         "param_bytes": r.ranks[0].memory["parameters"], "formula_comm": formulas[tier][0],
+                         "formula_params": formulas[tier][1]})
+    out = pd.DataFrame(rows)
+    return out.assign(**{"comm / formula": out["comm_bytes"] / out["formula_comm"],
+                         "params / formula": out["param_bytes"] / out["formula_params"]})

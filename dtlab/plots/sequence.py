@@ -17,7 +17,7 @@ from matplotlib.patches import FancyArrowPatch, Patch
 
 from dtlab.plots.style import OP_PALETTE, TIER_PALETTE, figure, require
 
-__all__ = ["attention_work", "calls_by_tag", "checkpointing", "cp_bytes", "ring_messages"]
+__all__ = ["attention_work", "calls_by_tag", "checkpointing", "comm_vs_width", "cp_bytes", "ring_messages"]
 
 MB = 1e6
 
@@ -45,6 +45,44 @@ def calls_by_tag(tables: Mapping[str, pd.DataFrame], who: str = "rank 0") -> Fig
     axes[0].invert_yaxis()
     handles, labels = axes[-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(ops), frameon=False)
+    return fig
+
+
+def comm_vs_width(lines: pd.DataFrame, measured: pd.DataFrame, crossing: Mapping[str, int],
+                  ticks: list[int], names: Mapping[str, str] | None = None) -> Figure:
+    """Bytes per step (left) and parameter bytes per rank (right) against the width, log-log: a line per tier
+    from the formulas, measured runs as markers, and where tp's line crosses below each other tier's.
+
+    ``lines``: rows of width, tier, comm, params (formulas); ``measured``: rows of tier, width, comm_bytes,
+    param_bytes (``analysis.tensor_parallel.width_sweep``); ``crossing``: tier -> the first width where tp
+    communicates less."""
+    require(lines, ["width", "tier", "comm", "params"], "comm_vs_width")
+    require(measured, ["tier", "width", "comm_bytes", "param_bytes"], "comm_vs_width")
+    names = dict(names or {})
+    colors = {t: TIER_PALETTE[i] for i, t in enumerate(dict.fromkeys(lines["tier"]))}
+    fig = figure(3.6)
+    ax_comm, ax_mem = fig.subplots(1, 2)
+    for tier, color in colors.items():
+        f, m = lines[lines["tier"] == tier], measured[measured["tier"] == tier]
+        label = names.get(tier, tier)
+        ax_comm.plot(f["width"], f["comm"] / MB, color=color, lw=1.2, label=f"{label} (formula)")
+        ax_comm.plot(m["width"], m["comm_bytes"] / MB, "o", color=color, label=f"{label} (measured)")
+        ax_mem.plot(f["width"], f["params"] / MB, color=color, lw=1.2)
+        ax_mem.plot(m["width"], m["param_bytes"] / MB, "o", color=color)
+    for tier, w in crossing.items():
+        ax_comm.axvline(w, color=colors.get(tier, "k"), ls=":", lw=1)
+        label = f"{names.get('tp', 'tp')} < {names.get(tier, tier)}\nfrom {w}"
+        ax_comm.annotate(label, (w, ax_comm.get_ylim()[1]), fontsize=7, ha="left", va="top", xytext=(2, -2),
+                         textcoords="offset points")
+    for ax in (ax_comm, ax_mem):
+        ax.set(xscale="log", yscale="log", xlabel="hidden size (model_size, log scale)")
+        ax.set_xticks(ticks, [str(w) for w in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    ax_comm.set(ylabel="communicated per step, rank 0 (MB/step)", title="bytes per step (log-log)")
+    ax_mem.set(ylabel="parameters held per rank (MB)", title="parameter memory (log-log)")
+    handles, labels = ax_comm.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False, fontsize=8)
     return fig
 
 
