@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
@@ -156,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _print(table)
+    try:
+        _print(table)
+    except BrokenPipeError:  # the reader stopped early (| head): not an error of ours
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stays open until exit, so the final flush succeeds
     return 0
 
 
