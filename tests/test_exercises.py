@@ -35,7 +35,9 @@ GIVEAWAYS = {
     "ring_attention": ("largest score seen so far", "rescale", "torch.exp", "amax", "acc / l"),
     "ulysses_attention": ("torch.stack", "permute", "transpose", "is_causal=True", "put the destination first"),
     "moe_dispatch": ("argsort", "bincount", "view(n, m)", "y[order] = back"),
+    "layer_flops": ("2 m n k", "4 * tokens * seq * hidden", "(T, hidden + 2 kv, hidden)", "m k + k n + m n"),
 }
+IN_PROCESS = ("layer_flops",)  # judged in the notebook's process: no world sizes
 
 
 @pytest.fixture(autouse=True)
@@ -316,10 +318,11 @@ def gpipe_without_scaling(stage, micro_batches, targets, loss_fn):
 def test_names_list_the_exercises_in_course_order_and_each_is_described():
     assert exercises.names() == ("ring_allreduce", "naive_ddp", "bucketed_ddp", "zero1_step", "fsdp_unit",
                                  "ddp_script", "gpipe_schedule", "tp_mlp", "ring_attention",
-                                 "ulysses_attention", "moe_dispatch")
+                                 "ulysses_attention", "moe_dispatch", "layer_flops")
     for name in exercises.names():
         text = exercises.describe(name)
-        assert "\n" not in text and "Checked at world size" in text
+        checked = "Checked in this process" if name in IN_PROCESS else "Checked at world size"
+        assert "\n" not in text and checked in text
         if name in FUNCTIONS:
             assert text.startswith("Write fn(")
             assert callable(exercises.solution(name)) and callable(exercises.stub(name))

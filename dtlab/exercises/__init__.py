@@ -52,6 +52,8 @@ In course order:
   all-to-all, and back (DeepSpeed-Ulysses).
 - ``moe_dispatch``: expert parallelism's token dispatch: each token to its expert's rank with an
   all-to-all of uneven splits, and its output back (the combine).
+- ``layer_flops``: one transformer layer's forward FLOPs and bytes moved, checked in this process
+  against the planner's own count (no ranks: the checker is the model the predictions come from).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from dtlab.exercises import (
     ddp_script,
     fsdp_unit,
     gpipe_schedule,
+    layer_flops,
     moe_dispatch,
     naive_ddp,
     ring_allreduce,
@@ -77,15 +80,17 @@ from dtlab.exercises import (
     zero1_step,
 )
 from dtlab.exercises._check import CheckResult, Exercise, ScriptExercise, check_world_sizes, run_check, script_path
+from dtlab.exercises._local import LocalExercise
 from dtlab.exercises._progress import Progress
 
-_EXERCISES: dict[str, Exercise | ScriptExercise] = {
+_EXERCISES: dict[str, Exercise | ScriptExercise | LocalExercise] = {
     ex.name: ex for ex in (ring_allreduce.EXERCISE, naive_ddp.EXERCISE, bucketed_ddp.EXERCISE, zero1_step.EXERCISE,
                            fsdp_unit.EXERCISE, ddp_script.EXERCISE, gpipe_schedule.EXERCISE, tp_mlp.EXERCISE,
-                           ring_attention.EXERCISE, ulysses_attention.EXERCISE, moe_dispatch.EXERCISE)}
+                           ring_attention.EXERCISE, ulysses_attention.EXERCISE, moe_dispatch.EXERCISE,
+                           layer_flops.EXERCISE)}
 
 
-def _exercise(name: str) -> Exercise | ScriptExercise:
+def _exercise(name: str) -> Exercise | ScriptExercise | LocalExercise:
     try:
         return _EXERCISES[name]
     except (KeyError, TypeError):
@@ -149,9 +154,17 @@ def check(name: str, fn: Callable[..., Any] | str | os.PathLike[str], *, world_s
     ``ddp_script`` takes the path of a script file instead of a function, and
     runs it under torchrun; a script still running after ``30 + 6 * timeout_s``
     seconds is stopped. A path that is not a file raises FileNotFoundError.
+
+    ``layer_flops`` is arithmetic: it runs ``fn`` in this process, with no ranks (and takes no ``world_sizes``).
     """
     exercise = _exercise(name)
-    if isinstance(exercise, ScriptExercise):
+    if isinstance(exercise, LocalExercise):
+        if world_sizes is not None:
+            raise ValueError(f"world_sizes={world_sizes!r} is invalid: {name} runs in this process, with no ranks")
+        if not callable(fn):
+            raise TypeError(f"check({name!r}, fn) needs your function; got {fn!r}")
+        result = exercise.run(fn)
+    elif isinstance(exercise, ScriptExercise):
         path = script_path(name, fn)
         result = exercise.run(path, check_world_sizes(exercise, world_sizes), timeout_s)
     elif not callable(fn):
