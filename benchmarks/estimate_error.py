@@ -22,10 +22,18 @@ world 1 and 2, GPipe, 1F1B and tp on the mlp (width 512, depth 4); ddp on the cn
 with and without activation checkpointing, fsdp, tp and cp on the charformer. World size 4 (ddp
 on the mlp, fsdp-tp 2 x 2 on the charformer) is oversubscribed on 2 cores: reported, not counted.
 
+Each step point is predicted twice in each round: with the compute timed here (``compute="timed"``,
+the estimator's default: a rank's compute run as the ranks run it) and, for the tiers whose compute is
+the single tier's at a rank's batch (single, ddp, zero), with the compute predicted on this machine's
+measured roofline (``compute=`` the saved ``roofline.json``, measured first if there is none:
+``python -m dtlab.analysis.roofline``), nothing of the job run. The other tiers' rows show no
+roofline figure.
+
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
 (target <= 0.15), ``estimate_error.step_median`` (target <= 0.15) and
-``estimate_error.step_worst`` (target <= 0.30, counted points), and writes
-``estimate_error.csv`` and ``estimate_error_steps.csv``.
+``estimate_error.step_worst`` (target <= 0.30, counted points), both with the compute timed;
+``estimate_error.step_median_roofline`` and ``estimate_error.step_worst_roofline`` (no target: the
+points the roofline covers); and writes ``estimate_error.csv`` and ``estimate_error_steps.csv``.
 
     .venv/bin/python benchmarks/estimate_error.py [--quick] [--out results/bench] [--part steps|memory]
 """
@@ -39,6 +47,8 @@ import _common as common
 
 from dtlab.analysis.estimate import compare, estimate
 from dtlab.analysis.estimate.calibration import RoundLinks, calibrate_link
+from dtlab.analysis.estimate.step import PREDICTED_TIERS
+from dtlab.analysis.roofline.saved import machine_roofline
 from dtlab.core.config import RunConfig
 from dtlab.tiers import pipeline, tp
 from dtlab.train import run
@@ -115,25 +125,34 @@ def step_errors(args) -> None:
     link_for = RoundLinks(link, 2, quick=args.quick, log=lambda line: print(line, flush=True))
 
     jobs = step_points(args.quick)
+    roof = machine_roofline(quick=args.quick, say=lambda line: print(line, flush=True))
 
     def side_by_side(cfg: RunConfig, round_: int) -> dict[str, float]:
         # predicted and measured in the same round: a shared machine's speed drifts between rounds
-        predicted = estimate(cfg, link_for(round_)).step_ms
-        return {"predicted_ms": predicted,
-                "step_ms": common.steady_step_s(run(cfg, progress=False, record=False)) * 1e3}
+        out = {"predicted_ms": estimate(cfg, link_for(round_)).step_ms}
+        if cfg.tier in PREDICTED_TIERS:
+            out["roofline_ms"] = estimate(cfg, link_for(round_), compute=roof).step_ms
+        return {**out, "step_ms": common.steady_step_s(run(cfg, progress=False, record=False)) * 1e3}
 
     variants = {label: (lambda r, cfg=cfg: side_by_side(cfg, r)) for label, cfg in jobs.items()}
     rows = common.interleave(variants, common.repeats(args, 3), log=print)
-    errors, out = {}, []
-    for label in jobs:
+    errors, on_roofline, out = {}, {}, []
+    for label, cfg in jobs.items():
         measured, predicted = (common.per_round(rows, label, key) for key in ("step_ms", "predicted_ms"))
         # each round's prediction against the same round's measurement, then the median over rounds
         errors[label] = common.median((predicted[r] - measured[r]) / measured[r] for r in measured)
-        med_measured, med_predicted = common.median(measured.values()), common.median(predicted.values())
-        out.append({"point": label, "predicted_ms": med_predicted, "measured_ms": med_measured,
-                    "error": errors[label]})
-        print(f"  {label:32} predicted {med_predicted:8.2f} ms  measured {med_measured:8.2f} ms  "
-              f"error {errors[label]:+.1%}", flush=True)
+        row = {"point": label, "predicted_ms": common.median(predicted.values()),
+               "measured_ms": common.median(measured.values()), "error": errors[label]}
+        if cfg.tier in PREDICTED_TIERS:
+            roofline = common.per_round(rows, label, "roofline_ms")
+            on_roofline[label] = common.median((roofline[r] - measured[r]) / measured[r] for r in measured)
+            row |= {"roofline_ms": common.median(roofline.values()), "roofline_error": on_roofline[label]}
+        out.append(row)
+        also = (f"  on the roofline {row['roofline_ms']:8.2f} ms  error {row['roofline_error']:+.1%}"
+                if "roofline_ms" in row else "")
+        print(f"  {label:32} predicted {row['predicted_ms']:8.2f} ms  measured {row['measured_ms']:8.2f} ms  "
+              f"error {errors[label]:+.1%}{also}", flush=True)
+    _roofline_lines(args, on_roofline, roof)
     counted = {k: abs(v) for k, v in errors.items() if "oversubscribed" not in k}
     median = common.median(counted.values())
     worst = max(counted, key=counted.get)
@@ -144,6 +163,19 @@ def step_errors(args) -> None:
     common.result_line(f"{NAME}.step_worst", counted[worst], "<= 0.30", quick=args.quick,
                        passed=counted[worst] <= 0.30, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
     common.write_csv(args.out / f"{NAME}_steps.csv", out)
+
+
+def _roofline_lines(args, errors: dict[str, float], roof) -> None:
+    """The points the roofline covers, their compute predicted on it: median and worst error (no target)."""
+    counted = {k: abs(v) for k, v in errors.items() if "oversubscribed" not in k}
+    if not counted:
+        return
+    worst = max(counted, key=counted.get)
+    where = f"roofline measured {roof.machine.get('measured', '?')}"
+    common.result_line(f"{NAME}.step_median_roofline", common.median(counted.values()), "none: compare with "
+                       "step_median", quick=args.quick, detail=f"{len(counted)} counted points; {where}")
+    common.result_line(f"{NAME}.step_worst_roofline", counted[worst], "none: compare with step_worst",
+                       quick=args.quick, detail=f"worst counted point: {worst} ({errors[worst]:+.1%})")
 
 
 def main() -> None:

@@ -201,8 +201,8 @@ def test_plot_shades_the_rounds_and_says_what_the_prediction_includes():
     lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
     assert (lo, hi) == pytest.approx((0.4, 1.3))
     legend = " ".join(t.get_text() for t in fig.legends[0].get_texts()).replace("\n", " ")
-    for part in ("dtlab.estimate", "compute predicted on this machine's measured roofline",
-                 "link calibrated in this run", "wake-up excess", "min-max of 3 rounds"):
+    for part in ("dtlab.estimate", "compute on this machine's roofline", "link calibrated in this run",
+                 "wake-up excess", "min-max of 3 rounds"):
         assert part in legend, part
     assert "re-timed" not in legend  # no re-timed column, no re-timed line
     assert "(×)" in ax.get_ylabel() and "hidden units" in ax.get_xlabel()
