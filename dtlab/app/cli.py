@@ -34,7 +34,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global batch size")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--optimizer", default=d.optimizer, help="sgd or adam")
+    p.add_argument("--optimizer", default=d.optimizer, help="sgd, adam or muon")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")

@@ -18,7 +18,7 @@ from dtlab.core import registry
 MODELS = ("mlp", "cnn", "cnn-bn", "charformer", "moe")
 TEXT_MODELS = ("charformer", "moe")  # the models that read characters (dataset="text")
 DATASETS = ("synthetic", "digits", "text")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "muon")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16")
@@ -166,6 +166,10 @@ class RunConfig:
             if rank >= self.world_size:
                 _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         spec = registry.get(self.tier)
+        if self.optimizer not in spec.optimizers:
+            able = [n for n in registry.names() if self.optimizer in registry.get(n).optimizers]
+            _fail("optimizer", self.optimizer, f"the {self.tier} tier steps {' and '.join(spec.optimizers)} only; "
+                  f"{self.optimizer} runs on {', '.join(able)}")
         self._check_flight_recorder(spec)
         self._check_compute(spec)
         self._check_experts(spec)

@@ -11,13 +11,14 @@ from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.moe import Routing
+from dtlab.core.muon import Muon
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def optimizer_factory(cfg: RunConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
     """``functools.partial(OptimizerClass, lr=...)``: tiers that shard it read ``.func`` and ``.keywords``."""
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[cfg.optimizer]
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "muon": Muon}[cfg.optimizer]
     return functools.partial(cls, lr=cfg.lr)
 
 

@@ -81,6 +81,7 @@ class TierSpec:
     autocast: bool = True
     activation_checkpointing: bool = True
     models: tuple[str, ...] = ()  # built-in models the tier can split (empty: any)
+    optimizers: tuple[str, ...] = ("sgd", "adam")  # RunConfig.optimizer values the tier can step
     # Options whose values the panel offers as a list (field -> choices).
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 

@@ -6,6 +6,10 @@ backward is still computing the rest. A comm hook decides how a bucket is
 reduced (plain all-reduce, fp16/bf16 compression, PowerSGD). A run that
 records registers a hook that also records each bucket; one that does not
 keeps DDP's built-in C++ all-reduce, so its step times are DDP's own.
+
+``comm_dtype`` (bf16, int8, fp8) sends each bucket as codes instead
+(``dtlab.tiers.quantised_comms``): a hook gathers every rank's codes and each
+rank sums their decoded values in float32, since gloo adds no such dtype.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.memory import tensor_bytes
+from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import tag_ddp_hook
 from dtlab.tiers import base, checkpoint
+from dtlab.tiers.quantised_comms import hook_for
 from dtlab.tiers.syncbn import convert_sync_batchnorm
 
 __all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "bucket_layout", "preflight", "validate"]
@@ -52,6 +58,10 @@ class Options(BucketOptions):
     checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.tiers.checkpoint)
     checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+    # Quantised gradients (dtlab.core.quantise): fp32 is DDP's own all-reduce; bf16, int8 and fp8 are gathered as
+    # codes with a float32 scale per comm_block elements and summed in float32 on every rank
+    comm_dtype: str = "fp32"
+    comm_block: int = 128
 
 
 def validate(cfg: RunConfig) -> None:
@@ -75,6 +85,22 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
     if isinstance(o, Options):
         checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+        validate_comm_dtype(cfg, o, name)
+
+
+def validate_comm_dtype(cfg: RunConfig, o: Options, name: str) -> None:
+    """The quantised all-reduce's knobs, and what it cannot be combined with."""
+    if o.comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
+    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
+        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
+                         "(at least 4)")
+    if o.comm_dtype != "fp32" and o.comm_hook != "allreduce":
+        raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid with comm_hook={o.comm_hook!r}: both "
+                         "choose how buckets are reduced; use comm_hook='allreduce'")
+    if cfg.optimizer == "muon" and (o.checkpoint_dir or o.resume_from):
+        raise ValueError(f"{name}.checkpoint_dir/resume_from are invalid with RunConfig.optimizer='muon': its "
+                         "state is not checkpointed yet; use adam or sgd")
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -82,7 +108,10 @@ def preflight(cfg: RunConfig) -> None:
 
 
 def comm_hook(options: BucketOptions) -> tuple[Any, Any]:
-    """The (state, hook) pair DDP registers for ``options.comm_hook``; (None, None) for DDP's built-in all-reduce."""
+    """The (state, hook) pair DDP registers for ``options.comm_hook`` (or a quantised ``comm_dtype``); (None, None)
+    for DDP's built-in all-reduce."""
+    if getattr(options, "comm_dtype", "fp32") != "fp32":
+        return hook_for(options.comm_dtype, options.comm_block)
     if options.comm_hook == "fp16":
         return None, default_hooks.fp16_compress_hook
     if options.comm_hook == "bf16":
@@ -157,6 +186,7 @@ class Strategy(base.Strategy):
         if self.ddp is None:
             return {}
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
+                "comm_dtype": getattr(self.options, "comm_dtype", "fp32"),
                 **bucket_layout(self.ddp), **self.checkpoints.describe()}
 
 
@@ -180,4 +210,4 @@ def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
 
 SPEC = TierSpec(name="ddp", summary="DistributedDataParallel: bucketed all-reduces overlapped with backward",
                 options=Options, validate=validate, strategy=Strategy, preflight=preflight,
-                choices={"comm_hook": COMM_HOOKS})
+                optimizers=("sgd", "adam", "muon"), choices={"comm_hook": COMM_HOOKS, "comm_dtype": COMM_DTYPES})

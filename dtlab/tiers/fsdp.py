@@ -33,14 +33,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtlab.core.compat import fsdp_default_comms
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.memory import tensor_bytes
 from dtlab.core.models import evaluate
+from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import base, checkpoint
+from dtlab.tiers import base, checkpoint, fsdp_muon
 from dtlab.tiers.fsdp_comms import record_comms
 from dtlab.tiers.sharded import meta_copy, plain_copy
 
@@ -63,6 +65,11 @@ class Options:
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
     # HSDP: shard within groups of world_size / replicate ranks, replicate across the replicate groups
     replicate: int = 1
+    # Quantised communication (dtlab.core.quantise): the parameters' all-gather and the gradients' reduce-scatter
+    # as fp32 (FSDP2's own collectives), bf16, int8 or fp8 codes with a float32 scale per comm_block elements
+    gather_comm_dtype: str = "fp32"
+    reduce_comm_dtype: str = "fp32"
+    comm_block: int = 128
 
 
 def validate(cfg: RunConfig) -> None:
@@ -89,6 +96,23 @@ def validate(cfg: RunConfig) -> None:
     if cfg.world_size % o.replicate:
         raise ValueError(f"{name}.replicate={o.replicate} is invalid: it must divide world_size={cfg.world_size} "
                          "(replicate groups of world_size / replicate ranks each)")
+    check_comm_dtypes(o, name)
+    if cfg.optimizer == "muon":
+        fsdp_muon.check(cfg, name)
+
+
+def check_comm_dtypes(o: Options, name: str) -> None:
+    """The quantised-communication knobs: a known code each, a block of whole 4-byte words."""
+    for field in ("gather_comm_dtype", "reduce_comm_dtype"):
+        if getattr(o, field) not in COMM_DTYPES:
+            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
+    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
+        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
+                         "(at least 4)")
+    quantised = (o.gather_comm_dtype, o.reduce_comm_dtype) != ("fp32", "fp32")
+    if quantised and fsdp_default_comms() is None:
+        raise ValueError(f"{name}.gather_comm_dtype/reduce_comm_dtype need FSDP2's custom comms, which torch "
+                         f"{torch.__version__} lacks: use 'fp32'")
 
 
 def check_dtype(cfg: RunConfig, name: str) -> None:
@@ -174,7 +198,10 @@ class Strategy(base.Strategy):
         self.units = list(named.values())
         if self.counts_gathered:
             self._count_units(model, named, dtype)
-        record_comms(named, self._pass, self.gathering, hsdp=mesh.ndim == 2)
+        o = self.options
+        record_comms(named, self._pass, self.gathering, hsdp=mesh.ndim == 2,
+                     gather_dtype=getattr(o, "gather_comm_dtype", "fp32"),
+                     reduce_dtype=getattr(o, "reduce_comm_dtype", "fp32"), block=getattr(o, "comm_block", 128))
 
         def forward_starts(*_: Any) -> None:
             self._pass["now"] = "forward"
@@ -222,7 +249,10 @@ class Strategy(base.Strategy):
         return {"comm_buffers": self.gathered_peak} if self.gathered_peak else {}
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
+        if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.fsdp_muon)
+            optimizer: torch.optim.Optimizer = fsdp_muon.LayerwiseMuon(model.parameters(), **build.keywords)
+        else:
+            optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
         # > 0 after resume_from: the loop starts after the step the checkpoint was saved at
         self.start_step = self.checkpoints.setup(model, optimizer, build.keywords)
         return optimizer
@@ -251,6 +281,8 @@ class Strategy(base.Strategy):
         out: dict[str, Any] = {"fsdp_units": self.units, "num_units": len(self.units),
                                "reshard_after_forward": self.options.reshard_after_forward,
                                "mixed_precision": self.options.mixed_precision,
+                               "gather_comm_dtype": getattr(self.options, "gather_comm_dtype", "fp32"),
+                               "reduce_comm_dtype": getattr(self.options, "reduce_comm_dtype", "fp32"),
                                "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate,
                                "gathered_after_forward_bytes": self.gathered_after_forward,
                                "unit_bytes": dict(self._unit_bytes)}
@@ -259,4 +291,6 @@ class Strategy(base.Strategy):
 
 SPEC = TierSpec(name="fsdp", summary="FSDP2 (fully_shard): parameters, gradients and optimizer state sharded",
                 options=Options, validate=validate, strategy=Strategy, preflight=preflight,
-                choices={"mixed_precision": tuple(MIXED_PRECISION)})
+                optimizers=("sgd", "adam", "muon"),
+                choices={"mixed_precision": tuple(MIXED_PRECISION), "gather_comm_dtype": COMM_DTYPES,
+                         "reduce_comm_dtype": COMM_DTYPES})

@@ -68,4 +68,5 @@ def agents(cfg: RunConfig) -> AgentPlan:
 
 SPEC = TierSpec(name="multinode", summary="DDP on several torchrun agents (nodes), on loopback or simulated hosts",
                 options=Options, validate=validate, strategy=Strategy, launcher="torchrun", preflight=ddp.preflight,
-                agents=agents, choices={"comm_hook": ddp.COMM_HOOKS, "network": NETWORKS})
+                agents=agents,
+                choices={"comm_hook": ddp.COMM_HOOKS, "comm_dtype": ddp.COMM_DTYPES, "network": NETWORKS})

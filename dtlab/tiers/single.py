@@ -16,4 +16,4 @@ def validate(cfg: RunConfig) -> None:
 
 
 SPEC = TierSpec(name="single", summary="one device, no data parallelism: the baseline every tier must match",
-                options=Options, validate=validate, strategy=Strategy)
+                options=Options, validate=validate, strategy=Strategy, optimizers=("sgd", "adam", "muon"))

@@ -19,6 +19,11 @@ batch. ``parallelize_module`` turns the slices into DTensors:
 Token embedding and vocabulary head are split too (rows, columns); positions
 and norms are replicated. No gradient all-reduce after backward: each rank
 owns its slices, and replicated parameters get the same gradient everywhere.
+
+``decomposed_mlp=True`` splits each MLP pair's GEMM into row chunks and passes
+their partial sums round the ring with ``batch_isend_irecv`` while the next
+chunk computes (async tensor parallelism's idea, ``dtlab.tiers.tp_ring``): the
+same arithmetic and bytes, its communication under compute.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
 from dtlab.tiers import base
 from dtlab.tiers.sharded import meta_copy, plain_copy
+from dtlab.tiers.tp_ring import Ring, decompose, gather_slices
 
 __all__ = ["MODELS", "Options", "SPEC", "Strategy", "loss_context", "mlp_pairs", "parallelize", "plan", "shard_table",
            "validate"]
@@ -47,14 +53,21 @@ MODELS = ("mlp", "charformer")
 class Options:
     sequence_parallel: bool = False  # norms and residuals split along the sequence: all-gather/reduce-scatter
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (charformer)
+    decomposed_mlp: bool = False  # MLP pairs as ring-decomposed GEMMs (tp tier only; dtlab.tiers.tp_ring)
 
 
 def validate_model(cfg: RunConfig, tp: int, name: str) -> None:
     """What cannot be split over ``tp`` ranks, named."""
     o = cfg.tier_options
-    for field in ("sequence_parallel", "loss_parallel"):
+    for field in ("sequence_parallel", "loss_parallel", "decomposed_mlp"):
         if not isinstance(getattr(o, field), bool):
             raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: must be True or False")
+    if o.decomposed_mlp and cfg.tier != "tp":
+        raise ValueError(f"{name}.decomposed_mlp=True is invalid: the {cfg.tier} tier shards the MLP with "
+                         "DTensor; the decomposed MLP runs on the tp tier")
+    if o.decomposed_mlp and o.sequence_parallel:
+        raise ValueError(f"{name}.decomposed_mlp=True is invalid with sequence_parallel=True: the decomposed pair "
+                         "takes whole rows in and gives whole rows out")
     if cfg.model not in MODELS:
         raise ValueError(f"RunConfig.model={cfg.model!r} is invalid for the {cfg.tier} tier: it has a "
                          f"tensor-parallel plan for {' and '.join(MODELS)} only")
@@ -94,7 +107,9 @@ def plan(model: nn.Module, options: Options) -> dict[str, Any]:
         SequenceParallel,
     )
 
-    if not hasattr(model, "blocks"):  # the mlp
+    if not hasattr(model, "blocks"):  # the mlp (decomposed: no DTensor at all)
+        if options.decomposed_mlp:
+            return {}
         return {name: style for col, row in mlp_pairs(model)
                 for name, style in ((col, ColwiseParallel()), (row, RowwiseParallel()))}
     sp = options.sequence_parallel
@@ -112,14 +127,15 @@ def plan(model: nn.Module, options: Options) -> dict[str, Any]:
     for i in range(len(model.blocks)):
         b = f"blocks.{i}"
         # q, k and v read one input: as a DTensor their gradients add up before one reduction (f in Megatron)
-        for sub in ("attn", "mlp"):
+        for sub in ("attn",) if options.decomposed_mlp else ("attn", "mlp"):
             styles[f"{b}.{sub}"] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
                                                       use_local_output=False)
         for proj in ("q", "k", "v"):
             styles[f"{b}.attn.{proj}"] = ColwiseParallel()
         styles[f"{b}.attn.out"] = RowwiseParallel(output_layouts=between)
-        styles[f"{b}.mlp.0"] = ColwiseParallel()
-        styles[f"{b}.mlp.2"] = RowwiseParallel(output_layouts=between)
+        if not options.decomposed_mlp:  # otherwise the pair is tp_ring's, on plain slices
+            styles[f"{b}.mlp.0"] = ColwiseParallel()
+            styles[f"{b}.mlp.2"] = RowwiseParallel(output_layouts=between)
         if sp:
             styles[f"{b}.ln1"] = SequenceParallel()
             styles[f"{b}.ln2"] = SequenceParallel()
@@ -133,6 +149,17 @@ def parallelize(model: nn.Module, mesh: Any, options: Options) -> nn.Module:
     for block in getattr(model, "blocks", []):
         block.attn.heads //= mesh.size()
     return parallelize_module(model, mesh, plan(model, options))
+
+
+def decompose_mlps(model: nn.Module, ring: Ring) -> dict[str, int]:
+    """The mlp's pairs, or each charformer block's MLP, decomposed round ``ring`` (``tp_ring.decompose``)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return decompose(model, mlp_pairs(model), ring)
+    sliced: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        sliced |= decompose(block.mlp, mlp_pairs(block.mlp), ring, prefix=f"blocks.{i}.mlp.")
+    return sliced
 
 
 def shard_table(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -169,6 +196,8 @@ class Strategy(base.Strategy):
         self.data_rank, self.data_world = 0, 1  # every rank sees the whole batch
         self._template: nn.Module | None = None
         self.shards: dict[str, dict[str, Any]] = {}
+        self.sliced: dict[str, int] = {}  # decomposed_mlp: parameter -> the dimension its slice was cut along
+        self._group: Any = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -176,7 +205,12 @@ class Strategy(base.Strategy):
         self._template = meta_copy(model)
         mesh = init_device_mesh(self.info.device.type, (self.info.world_size,), mesh_dim_names=("tp",))
         model = parallelize(model, mesh, self.options)
+        if self.options.decomposed_mlp:
+            self._group = mesh.get_group()
+            self.sliced = decompose_mlps(model, Ring(self._group))
         self.shards = shard_table(model)
+        for name, dim in self.sliced.items():  # plain tensors holding this rank's slice
+            self.shards[name]["placements"] = [f"Shard({dim})"]
         return model
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -184,6 +218,8 @@ class Strategy(base.Strategy):
 
     def finish(self, model: nn.Module, data: Dataset) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         state = full_state(model)
+        if self.sliced:
+            state.update(gather_slices(model, self.sliced, self._group))
         if not self.info.is_main:
             return state, {}
         assert self._template is not None, "wrap() first"
@@ -192,7 +228,8 @@ class Strategy(base.Strategy):
 
     def describe(self) -> dict[str, Any]:
         return {"tp_size": self.info.world_size, "sequence_parallel": self.options.sequence_parallel,
-                "loss_parallel": self.options.loss_parallel, "shards": self.shards}
+                "loss_parallel": self.options.loss_parallel, "decomposed_mlp": self.options.decomposed_mlp,
+                "shards": self.shards}
 
 
 SPEC = TierSpec(name="tp", summary="tensor parallel: Megatron column/row splits on a DeviceMesh",

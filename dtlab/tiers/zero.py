@@ -20,7 +20,7 @@ from dtlab.tiers import ddp
 
 __all__ = ["Options", "SPEC", "Strategy", "validate"]
 
-SHARDABLE = {"sgd", "adam"}
+SHARDABLE = {"sgd", "adam", "muon"}  # optimizers that step each parameter alone: whole parameters shard
 
 
 @dataclass(frozen=True)
@@ -48,4 +48,5 @@ class Strategy(ddp.Strategy):
 
 
 SPEC = TierSpec(name="zero", summary="DDP with ZeroRedundancyOptimizer: optimizer state sharded over the ranks",
-                options=Options, validate=validate, strategy=Strategy, choices={"comm_hook": ddp.COMM_HOOKS})
+                options=Options, validate=validate, strategy=Strategy, optimizers=("sgd", "adam", "muon"),
+                choices={"comm_hook": ddp.COMM_HOOKS})

@@ -82,10 +82,29 @@ def resolve_network(plan: AgentPlan | ReplicaPlan) -> tuple[str, str]:
     return "loopback", reason
 
 
+def run_on_hosts(cfg: RunConfig, nnodes: int, link_mbit: float, *, progress: Progress = False,
+                 record: bool = True) -> RunResult:
+    """Run a job of a ``local`` tier (fsdp, ddp, ...) as ``nnodes`` torchrun agents on simulated hosts whose links
+    are capped at ``link_mbit``: what its collectives cost on a slow network. Needs root (ValueError otherwise,
+    before any process starts)."""
+    spec = registry.get(cfg.tier)
+    if spec.launcher != "local":
+        raise ValueError(f"run_on_hosts: the {cfg.tier} tier starts its own processes ({spec.launcher}); "
+                         "use a tier of dtlab's local launcher")
+    if nnodes < 1 or cfg.world_size % nnodes:
+        raise ValueError(f"run_on_hosts: nnodes={nnodes} must divide world_size={cfg.world_size}")
+    if not link_mbit > 0:
+        raise ValueError(f"run_on_hosts: link_mbit={link_mbit!r} must be > 0 Mbit/s")
+    resolve_backend(cfg.backend, cfg.device)
+    spec.preflight(cfg)
+    plan = AgentPlan(nproc_per_node=cfg.world_size // nnodes, nodes=nnodes, network="netns", link_mbit=link_mbit)
+    return _run_torchrun(cfg, spec, progress=progress, record=record, stop=None, plan=plan)
+
+
 def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record: bool,
-                  stop: threading.Event | None) -> RunResult:
+                  stop: threading.Event | None, plan: AgentPlan | None = None) -> RunResult:
     """Start the tier's torchrun agents (in namespaces or on loopback) and collect every rank's result."""
-    plan = spec.agents(cfg)
+    plan = plan or spec.agents(cfg)
     network, reason = resolve_network(plan)
     if reason:
         print(reason)

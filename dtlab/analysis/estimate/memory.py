@@ -23,6 +23,7 @@ from dtlab.analysis.estimate.experts import RULES as EXPERT_RULES
 from dtlab.analysis.estimate.mesh import RULES as MESH_RULES
 from dtlab.analysis.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.core.config import RunConfig
+from dtlab.core.muon import assign_owners, is_matrix
 from dtlab.tiers import fsdp as fsdp_tier
 from dtlab.tiers import pipeline
 from dtlab.tiers.pipeline_stages import MULTI_STAGE
@@ -49,10 +50,26 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor]) -> int:
-    """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing."""
+    """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing;
+    Muon keeps one momentum per 2-D weight and AdamW's moments and step for the rest."""
+    if cfg.optimizer == "muon":
+        return sum(nbytes(p) if is_matrix(p) else 2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
     if cfg.optimizer != "adam":
         return 0
     return sum(2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
+
+
+def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, rank: int) -> int:
+    """A rank's optimizer state under fsdp: Adam's moments of its rows; Muon's momentum of the whole matrices it
+    owns (``assign_owners``, as ``dtlab.tiers.fsdp_muon`` deals them) and AdamW's of its rows of the rest."""
+    if cfg.optimizer == "adam":
+        return sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params)
+    if cfg.optimizer != "muon":
+        return 0
+    matrices = [t for t in params if is_matrix(t)]
+    owners = assign_owners([t.numel() for t in matrices], n)
+    owned = sum(nbytes(t) for t, o in zip(matrices, owners) if o == rank)
+    return owned + sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params if not is_matrix(t))
 
 
 def shard_rows(t: torch.Tensor, world: int) -> int:
@@ -120,12 +137,11 @@ def fsdp(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     notes = [f"parameters and gradients split by rows, padded to ceil(rows / {n}) on every rank; the "
              "optimizer's moments take the unpadded rows (the last ranks may hold fewer)",
              "comm_buffers: the unsharded parameters held at once while the forward runs"]
-    ranks = []
-    for r in range(cfg.world_size):
-        state = 0 if cfg.optimizer != "adam" else sum(2 * local_rows(t, n, r % n) + ADAM_STEP_BYTES
-                                                      for t in params)
-        ranks.append(RankMemory(r, memory | {"optimizer_state": state}, notes))
-    return ranks
+    if cfg.optimizer == "muon":
+        notes.append("Muon: each 2-D weight's momentum whole on the rank that owns it (largest first, to the "
+                     "least loaded rank); AdamW's moments of the rows of the rest")
+    return [RankMemory(r, memory | {"optimizer_state": fsdp_optimizer_bytes(cfg, params, n, r % n)}, notes)
+            for r in range(cfg.world_size)]
 
 
 def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
