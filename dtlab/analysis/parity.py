@@ -119,8 +119,14 @@ def _cases() -> list[Case]:
                                          tier_options=cp.Options(balance="zigzag"))),
         ("cp w4 ulysses zigzag charformer 4 heads", _job("adam", tier="cp", world_size=4, **char, model_heads=4,
                                                          tier_options=cp.Options("ulysses", "zigzag"))),
+        ("tp w2 mlp decomposed", _job("adam", tier="tp", world_size=2, tier_options=tp.Options(decomposed_mlp=True))),
+        ("tp w2 charformer decomposed", _job("adam", tier="tp", world_size=2, **char,
+                                             tier_options=tp.Options(decomposed_mlp=True))),
     ]
-    return out + [Case(f"{name} adam", cfg) for name, cfg in adam]
+    # Muon at Adam's lr: whole matrices on every rank (ddp), on their owners (zero, fsdp)
+    muon = [(f"{tier} w{n}", _job("adam", tier=tier, world_size=n).replace(optimizer="muon"))
+            for tier, n in (("ddp", 2), ("zero", 4), ("fsdp", 2), ("fsdp", 4))]
+    return out + [Case(f"{name} adam", cfg) for name, cfg in adam] + [Case(f"{name} muon", cfg) for name, cfg in muon]
 
 
 CASES: tuple[Case, ...] = tuple(_cases())
