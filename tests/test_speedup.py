@@ -168,6 +168,7 @@ def test_the_prediction_is_the_estimators_step_rule_on_a_link_calibrated_in_the_
     assert list(df["prediction_error"]) == pytest.approx([0.25])  # 0.625 / 0.5 - 1
     assert list(df["retimed_speedup"]) == pytest.approx([0.8]) and list(df["retimed_error"]) == pytest.approx([0.6])
     assert df.attrs["busy_ms"] == "1.00/2.00" and list(df["rounds"]) == [2]
+    assert len(df.attrs["load"].split("/")) == 3  # the load average at the start and after each round
     lines = sp.verdict(df).splitlines()
     assert lines[-2] == "with the compute re-timed instead: every width within 30 %: no (worst 16: +60.0 %)"
     assert lines[-1] == "every width within 30 %: yes (worst 16: +25.0 %)"

@@ -195,6 +195,7 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
 
     ``link``: a ``LinkModel`` or ``LinkSet`` to use in every round as it is,
     instead of calibrating one and measuring its ``busy_s`` per round;
+    ``frame.attrs["load"]``: the load average at the start and after each round.
     ``quick_link``: a quick calibration, and a quick roofline where one must be
     measured (a smoke test, not a measurement). ``roofline``: a ``Roofline`` or
     the path of a saved one (``machine_roofline`` says what None does).
@@ -214,6 +215,7 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
     roof = machine_roofline(roofline, quick_link, say)
     links = _links(link, world_size, quick_link, say)
     rows: list[dict[str, Any]] = []
+    loads = [_load()]  # other work on the machine stalls a 2-thread process: say how much there was
     for r in range(rounds):
         round_link = links(r)
         order = widths if r % 2 == 0 else widths[::-1]
@@ -221,8 +223,9 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
             k = (r + i) % len(ROLES)
             for role in ROLES[k:] + ROLES[:k]:
                 rows.append({"round": r, "width": w, "role": role, **_one(role, plans[w], round_link, roof)})
+        loads.append(_load())
         say(f"round {r + 1}/{rounds}: {len(widths)} widths × {len(ROLES)} runs and predictions, "
-            f"{time.perf_counter() - t0:.0f} s")
+            f"{time.perf_counter() - t0:.0f} s, load average {loads[-1]:.2f}")
     frame = _frame(pd.DataFrame(rows), widths)
     first = links(0)
     busy = links.busy_text() if isinstance(links, RoundLinks) else f"{first.busy_s * 1e3:.2f}"
@@ -231,8 +234,14 @@ def speedup_sweep(widths: Sequence[int] = DEFAULT_WIDTHS, *, world_size: int = 2
                         "world_size": world_size, "global_batch": global_batch, "cores": c, "steps": steps,
                         "rounds": rounds, "optimizer": optimizer, "depth": depth,
                         "roofline": f"measured {roof.machine.get('measured', '?')}, load "
-                                    f"{roof.machine.get('load_1min', '?')}", "wall_s": time.perf_counter() - t0})
+                                    f"{roof.machine.get('load_1min', '?')}",
+                        "load": "/".join(f"{x:.2f}" for x in loads), "wall_s": time.perf_counter() - t0})
     return frame
+
+
+def _load() -> float:
+    """The 1-minute load average (NaN where the system has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
 
 
 def _all_reduce(link: Link) -> LinkModel:
@@ -328,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "(rounds_min-max: their spread); predicted by dtlab.estimate with the compute predicted on this machine's "
           "roofline (retimed_*: with the compute re-timed instead), error = predicted / measured speedup - 1")
     print(format_table(frame))
-    print(f"roofline {a['roofline']}; link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round "
+    print(f"load average at the start and after each round {a['load']}; roofline {a['roofline']}; "
+          f"link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round "
           f"{a['busy_ms']} ms; "
           f"wrote {args.out / 'crossover.csv'} and {png} in {time.perf_counter() - t0:.0f} s")
     print(verdict(frame))
