@@ -37,6 +37,7 @@ def test_published_runs_share_one_scale_and_a_step_adds_up(frame):
     # every metric is proportional to throughput: the published MFU is the predicted one times published / predicted
     assert list(frame["mfu_published"] / frame["mfu_predicted"]) == pytest.approx(
         list(frame["published"] / frame["predicted"]))
+    assert list(frame["replica_tokens"]) == [512 * 2048 // 32, 3072 * 2048 // 6, 2048 * 8192 // 64, 448 * 2048 // 8]
     one_t = frame.iloc[1]
     assert one_t["metric"] == "tflops_per_gpu_hw" and one_t["hfu_published"] == pytest.approx(163 / 312)
     assert one_t["mfu_published"] < one_t["hfu_published"]  # full recomputation: a fourth pass MFU does not count

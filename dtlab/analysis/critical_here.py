@@ -14,7 +14,7 @@ its communication. Beside it the formula of ``analysis.critical``, ``(n-1)/n b C
 GEMM at the peak (a slower compute catches up sooner: the formula's batch is larger) and the
 all-reduces without their latency (more to catch up with: the formula's batch is smaller).
 
-**Measured** (``measure``): the job at a ``factor`` below and above the predicted batch, each step's
+**Measured** (``measure``): the job at ``FACTOR`` below and above the predicted batch, each step's
 compute the ranks' mean forward + backward and its communication the ``comm`` phase of the rank
 that came last to it (it waited for no one, only for the all-reduces), medians over the steady steps
 of every round. ``confirm`` holds the prediction to it: communication-bound below, compute-bound above.
@@ -43,9 +43,13 @@ from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job
 from dtlab.train import run
 
-__all__ = ["CURVE_BATCHES", "Critical", "confirm", "crossing", "job", "measure", "predict", "roofline_here"]
+__all__ = ["CURVE_BATCHES", "FACTOR", "Critical", "confirm", "crossing", "job", "measure", "predict", "roofline_here"]
 
 CURVE_BATCHES = tuple(2 ** k for k in range(1, 13))  # 2 ... 4096 samples per rank
+# How far either side of the predicted batch the runs go. Wide: on this shared 2-core machine the compute ran
+# 1-3x the roofline's prediction under other processes' load and the all-reduces 2-4x their sweep's price
+# (2026-12-06), errors a factor of 4 either side did not always cover
+FACTOR = 8
 
 
 def job(width: int = 1024, depth: int = 2, world_size: int = 2, steps: int = 12) -> RunConfig:
@@ -127,7 +131,7 @@ def _medians(result: Any) -> tuple[float, float]:
     return float(per_step["compute"].mean().median()), float(per_step["comm"].min().median())
 
 
-def measure(cfg: RunConfig, critical: Critical, factor: int = 4, rounds: int = 1,
+def measure(cfg: RunConfig, critical: Critical, factor: int = FACTOR, rounds: int = 1,
             say: Callable[[str], None] = lambda line: None) -> pd.DataFrame:
     """``cfg`` run at ``critical.batch / factor`` and ``x factor`` samples per rank, ``rounds`` times each
     (interleaved): one row per side with the measured and the predicted compute and communication."""

@@ -44,9 +44,10 @@ def _layout_label(run: Run, row: dict) -> str:
 
 
 def published_frame(runs: Sequence[Run] | None = None) -> pd.DataFrame:
-    """One row per run: where it comes from, its model and layout (``family``), the published and predicted
-    values in its own metric with the error, both as MFU and HFU (``mfu_published``, ``mfu_predicted``, ...),
-    and the predicted step's parts in seconds (``PARTS``)."""
+    """One row per run: where it comes from, its model and layout (``family``; ``replica_tokens``, the tokens a
+    data-parallel replica computes per step, which its gradients' reduction must hide behind), the published and
+    predicted values in its own metric with the error, both as MFU and HFU (``mfu_published``, ``mfu_predicted``,
+    ...), and the predicted step's parts in seconds (``PARTS``)."""
     rows = []
     for run in read_runs(DEFAULT_RUNS) if runs is None else runs:
         p = predict(run)
@@ -54,7 +55,8 @@ def published_frame(runs: Sequence[Run] | None = None) -> pd.DataFrame:
         rows.append({"row": run.index, "source": run.source.split(",")[0], "model": run.model.name,
                      "parameters": run.model.parameters(), "gpu": run.gpu, "gpus": run.gpus, "tp": run.layout.tp,
                      "pp": run.layout.pp, "dp": run.layout.dp, "cp": run.layout.cp,
-                     "family": family(run.layout), "layout": _layout_label(run, p), "metric": run.metric,
+                     "family": family(run.layout), "layout": _layout_label(run, p),
+                     "replica_tokens": run.global_batch * run.model.seq // run.layout.dp, "metric": run.metric,
                      "published": run.value, "predicted": p["predicted"], "error": p["error"],
                      "mfu_published": p["mfu"] * scale, "mfu_predicted": p["mfu"],
                      "hfu_published": p["hfu"] * scale, "hfu_predicted": p["hfu"], "step_s": p["step_s"],
