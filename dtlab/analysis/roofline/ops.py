@@ -112,17 +112,18 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.keep or func._overloadpacket in _NO_KERNEL or func.namespace != "aten":
+        packet = getattr(func, "_overloadpacket", None)  # None: a higher-order op, whose own ops come through
+        if not self.keep or packet is None or packet in _NO_KERNEL or func.namespace != "aten":
             return out
         read, written = _tensors((args, kwargs)), _tensors(out)
         if not read and not written:  # a metadata query (sizes, strides)
             return out
-        if func._overloadpacket in _GATHERS:
+        if packet in _GATHERS:
             read = _tensors(args[1:]) + written  # the indices, and the rows picked (as many as it writes)
         dtype = next((t.dtype for t in read + written if t.is_floating_point()), torch.float32)
         shape = _gemm_shape(func, args, out)
         flops = _flops(func, args, kwargs, out)
-        name = f"{self.phase}:{func._overloadpacket.__name__}"
+        name = f"{self.phase}:{packet.__name__}"
         self.rows[(name, shape if flops else None, flops, float(_nbytes(read) + _nbytes(written)),
                    dtype_name(dtype))] += 1
         return out
