@@ -150,7 +150,8 @@ def test_a_bad_combination_is_one_line_naming_the_field(changes, match):
 
 
 @pytest.mark.parametrize(("argv", "start"), [
-    (["--tier", "zero", "--world-size", "2", "--opt", "comm_dtype=int8"], "error: --opt comm_dtype=int8: tier 'zero' has no option 'comm_dtype'"),
+    (["--tier", "zero", "--world-size", "2", "--opt", "comm_dtype=int8"],
+     "error: --opt comm_dtype=int8: tier 'zero' has no option 'comm_dtype'"),
     (["--tier", "tp", "--world-size", "2", "--optimizer", "muon"], "error: --optimizer: RunConfig.optimizer='muon'"),
     (["--tier", "ddp", "--world-size", "2", "--opt", "comm_dtype=fp4"], "error: --opt comm_dtype"),
 ])
@@ -158,3 +159,25 @@ def test_the_cli_refuses_in_one_line(argv, start, capsys):
     assert cli_main(["run", *argv, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(start) and err.count("\n") == 1, err
+
+
+def test_bytes_vs_drift_draws_a_point_per_variant(tmp_path):
+    from dtlab import plots
+    from tests.test_plots import assert_png
+
+    table = pd.DataFrame({"variant": ["fsdp ag=fp32 rs=fp32", "fsdp ag=int8 rs=int8", "ddp fp32"],
+                          "tier": ["fsdp", "fsdp", "ddp"], "sent_per_step": [4e5, 1e5, 2e5],
+                          "drift_last": [0.0, 3e-3, 0.0]})
+    fig = plots.bytes_vs_drift(table)
+    points = [tuple(p) for c in fig.axes[0].collections for p in c.get_offsets()]
+    assert sorted(points) == sorted([(400.0, 0.0), (100.0, 3e-3), (200.0, 0.0)])
+    assert_png(fig, tmp_path / "q.png")
+    with pytest.raises(ValueError, match="drift_last"):
+        plots.bytes_vs_drift(table.drop(columns="drift_last"))
+
+
+def test_the_quantised_variants_always_hold_their_fp32_reference():
+    from dtlab.analysis import quantised
+
+    labels = list(quantised.variants(quantised.base_job(10), [("int8", "int8")], ["fp8"]))
+    assert labels == ["fsdp ag=fp32 rs=fp32", "fsdp ag=int8 rs=int8", "ddp fp32", "ddp fp8"]

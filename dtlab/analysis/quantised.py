@@ -13,7 +13,8 @@ tier with fp32 (the collectives as they were). Per variant:
   all-reduce sends ``2(n−1)/n`` buckets: its saving shrinks as the world grows;
 * ``drift_max`` and ``drift_last``: the largest |loss − loss(fp32)| over the steps, and its mean over the
   last fifth: quantisation changes the numbers on purpose, so what it costs is how far the curve wanders;
-* ``eval_loss_diff``: the held-out loss after training, minus fp32's;
+* ``final_loss`` (the last step's training loss, for scale) and ``eval_loss_diff``: the held-out loss after
+  training, minus fp32's;
 * with ``--link-mbit`` (default 200) and root: ``step_ms`` of the same variant on a wider mlp (width 512, as
   ``benchmarks/link_sweep.py``; 12 steps) on two simulated hosts (one rank each, network namespaces, links
   capped with ``tc``), median over steps after the first; without root it says why and measures the rest.
@@ -52,12 +53,16 @@ def base_job(steps: int = 300) -> RunConfig:
                      lr=0.003, global_batch_size=64, world_size=2, threads_per_rank=1)
 
 
-def variants(base: RunConfig) -> dict[str, RunConfig]:
-    """Label -> config: the fsdp variants (``fsdp ag=<code> rs=<code>``), then ddp's (``ddp <code>``)."""
+def variants(base: RunConfig, fsdp_codes: Sequence[tuple[str, str]] = FSDP_VARIANTS,
+             ddp_codes: Sequence[str] = DDP_VARIANTS) -> dict[str, RunConfig]:
+    """Label -> config: the fsdp variants (``fsdp ag=<code> rs=<code>``), then ddp's (``ddp <code>``); each tier's
+    fp32 (its reference) is added where it is missing."""
+    fsdp_codes = [("fp32", "fp32"), *(c for c in fsdp_codes if c != ("fp32", "fp32"))] if fsdp_codes else []
+    ddp_codes = ["fp32", *(c for c in ddp_codes if c != "fp32")] if ddp_codes else []
     out = {f"fsdp ag={g} rs={r}": base.replace(tier="fsdp", tier_options=fsdp.Options(gather_comm_dtype=g,
                                                                                         reduce_comm_dtype=r))
-           for g, r in FSDP_VARIANTS}
-    out |= {f"ddp {c}": base.replace(tier="ddp", tier_options=ddp.Options(comm_dtype=c)) for c in DDP_VARIANTS}
+           for g, r in fsdp_codes}
+    out |= {f"ddp {c}": base.replace(tier="ddp", tier_options=ddp.Options(comm_dtype=c)) for c in ddp_codes}
     return out
 
 
@@ -99,7 +104,7 @@ def measure(configs: dict[str, RunConfig], link_mbit: float | None = None, link_
                                "gather": getattr(o, "gather_comm_dtype", getattr(o, "comm_dtype", "")),
                                "reduce": getattr(o, "reduce_comm_dtype", getattr(o, "comm_dtype", "")),
                                "bytes_per_step": recorded, "sent_per_step": sent, "sent_ratio": sent / sent_fp32,
-                               **drift(result, reference)}
+                               "final_loss": result.final_loss(), **drift(result, reference)}
         if link_mbit:
             row["step_ms"] = link_step_ms(result.config.replace(steps=link_steps, model_size=LINK_WIDTH), link_mbit)
         rows.append(row)

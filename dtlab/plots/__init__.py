@@ -9,6 +9,7 @@ from dtlab.plots.crossover import speedup_curve
 from dtlab.plots.faults import loss_vs_time, replica_timeline
 from dtlab.plots.network import bandwidth, elastic_timeline, link_sweep, predicted_vs_measured, sweep
 from dtlab.plots.pipeline import pipeline_schedule
+from dtlab.plots.quantised import bytes_vs_drift
 from dtlab.plots.placement import (
     draw_matrix,
     draw_mesh,
@@ -27,4 +28,4 @@ __all__ = ["LINESTYLES", "MEMORY_COLORS", "PHASE_COLORS", "TIER_PALETTE", "WIDTH
            "memory_breakdown", "pipeline_schedule", "predicted_vs_measured", "save", "speedup", "speedup_curve",
            "stage_placements", "step_breakdown", "sweep", "timeline", "weight_placements", "loss_vs_time",
            "replica_timeline", "attention_work", "calls_by_tag", "checkpointing", "comm_vs_width", "cp_bytes",
-           "ring_messages", "critical_batch", "published_scaling"]
+           "ring_messages", "critical_batch", "published_scaling", "bytes_vs_drift"]
