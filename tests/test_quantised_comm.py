@@ -93,3 +93,25 @@ def test_fp32_takes_the_collectives_it_took_before():
     """fp32 keeps DDP's built-in all-reduce (no hook) and FSDP2's own collectives (see the mixed cases above)."""
     assert ddp.comm_hook(ddp.Options()) == (None, None)
     assert ddp.comm_hook(ddp.Options(comm_dtype="int8"))[1] is not None
+
+
+def test_fsdp_runs_on_simulated_hosts_for_the_slow_link_measurement(nothing_left):
+    """``run_on_hosts``: a local tier's job as torchrun agents on network namespaces with capped links (root)."""
+    from dtlab.launch import netns
+    from dtlab.train.runner import run_on_hosts
+
+    cfg = job("adam", tier="fsdp", world_size=2, steps=3,
+              tier_options=fsdp.Options(gather_comm_dtype="int8", reduce_comm_dtype="int8"))
+    with pytest.raises(ValueError, match="nnodes=3 must divide world_size=2"):
+        run_on_hosts(cfg, nnodes=3, link_mbit=200)
+    with pytest.raises(ValueError, match="the rpc tier starts its own processes"):
+        run_on_hosts(job("sgd", tier="rpc", world_size=2), nnodes=2, link_mbit=200)
+    if not netns.available()[0]:
+        with pytest.raises(ValueError, match="cannot run here"):
+            run_on_hosts(cfg, nnodes=2, link_mbit=200)
+        return
+    result = run_on_hosts(cfg, nnodes=2, link_mbit=200)
+    assert {(r.strategy["network"], r.strategy["link_mbit"]) for r in result.ranks} == {("netns", 200.0)}
+    assert len({r.params_checksum for r in result.ranks}) == 1
+    ev = _steady_events(result)
+    assert set(ev["dtype"]) == {"uint8"} and set(ev["op"]) == {"all_gather_into_tensor", "all_to_all_single"}
