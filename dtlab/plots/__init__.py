@@ -9,7 +9,6 @@ from dtlab.plots.crossover import speedup_curve
 from dtlab.plots.faults import loss_vs_time, replica_timeline
 from dtlab.plots.network import bandwidth, elastic_timeline, link_sweep, predicted_vs_measured, sweep
 from dtlab.plots.pipeline import pipeline_schedule
-from dtlab.plots.quantised import bytes_vs_drift
 from dtlab.plots.placement import (
     draw_matrix,
     draw_mesh,
@@ -18,6 +17,7 @@ from dtlab.plots.placement import (
     stage_placements,
     weight_placements,
 )
+from dtlab.plots.quantised import bytes_vs_drift
 from dtlab.plots.runs import gantt, loss_curves, memory_breakdown, speedup, step_breakdown, timeline
 from dtlab.plots.scaling import critical_batch, published_scaling
 from dtlab.plots.sequence import attention_work, calls_by_tag, checkpointing, comm_vs_width, cp_bytes, ring_messages
