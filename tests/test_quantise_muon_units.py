@@ -116,9 +116,10 @@ def test_overlap_of_a_known_timeline():
 
 
 def test_ddp_buckets_overlap_backward_until_the_last_bucket_is_launched():
-    # backward 0-10; buckets launched at 2 and 6, complete at 7 and 10: compute ends at 6 (the last launch)
-    ev, ph = _timeline([(0, 1, 2.0, 7.0, True, 0.0, "ddp_bucket:0"), (0, 1, 6.0, 10.0, True, 0.0, "ddp_bucket:1")],
-                       [(0, 1, "backward", 0.0, 10.0)])
+    # backward 0-10, optimizer 10-12; buckets launched at 2 and 6, complete at 7 and (seen late) 11: the last one
+    # ends with backward at 10, and compute ends at 6 (the last launch): 4 of 8 s overlap
+    ev, ph = _timeline([(0, 1, 2.0, 7.0, True, 0.0, "ddp_bucket:0"), (0, 1, 6.0, 11.0, True, 0.0, "ddp_bucket:1")],
+                       [(0, 1, "backward", 0.0, 10.0), (0, 1, "optimizer", 10.0, 12.0)])
     assert ov.overlap(ev, ph)["overlap_pct"] == pytest.approx(100 * 4 / 8)
     assert ov.union([(3, 4), (0, 2), (1, 3)]) == [(0, 4)]
     assert ov.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
