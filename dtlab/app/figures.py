@@ -39,6 +39,7 @@ COSTMODEL = "python benchmarks/costmodel_error.py"  # writes into results/bench,
 LINK_SWEEP = "python benchmarks/link_sweep.py"
 DILOCO_LINK = "python benchmarks/diloco_link.py"
 FT_RECOVERY = "python benchmarks/ft_recovery.py"
+ROOFLINE = "python -m dtlab.analysis.roofline"
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
@@ -47,6 +48,9 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/demo_memory.png": Figure(DEMO_COMPARE, "results/demo/memory.png"),
     "docs/figures/demo_loss.png": Figure(DEMO_COMPARE, "results/demo/loss.png"),
     "docs/figures/demo_crossover.png": Figure(DEMO_SWEEP, "results/demo/crossover.png"),
+    "docs/figures/demo_crossover.csv": Figure(DEMO_SWEEP, "results/demo/crossover.csv"),
+    "docs/figures/roofline.png": Figure(ROOFLINE, "results/roofline/roofline.png"),
+    "docs/figures/roofline.csv": Figure(ROOFLINE, "results/roofline/roofline.csv"),
     "docs/figures/costmodel_error.png": Figure(COSTMODEL, "results/bench/costmodel_error.png"),
     "docs/figures/costmodel_error.csv": Figure(COSTMODEL, "results/bench/costmodel_error.csv"),
     "docs/figures/link_sweep.png": Figure(LINK_SWEEP, "results/bench/link_sweep.png"),
