@@ -203,6 +203,12 @@ def test_compare_reports_parity_for_each_tier(tmp_path, capsys):
     assert list(table["tier"]) == ["single", "ddp-naive", "ddp"]
     assert (table["max_param_diff_vs_single"] <= 1e-5).all()
     assert (tmp_path / "ddp-w2" / "result.json").exists()
+    # each figure with the data it draws beside it
+    assert pd.read_csv(tmp_path / "speedup.csv")["tier"].tolist() == ["single", "ddp-naive", "ddp"]
+    losses = pd.read_csv(tmp_path / "loss.csv")
+    assert losses.groupby("run")["step"].count().tolist() == [6, 6, 6]
+    for name in ("breakdown", "memory"):
+        assert (tmp_path / f"{name}.png").exists() and len(pd.read_csv(tmp_path / f"{name}.csv")) > 0
 
 
 def test_exercises_are_listed_and_described_from_the_shell(capsys):

@@ -95,3 +95,13 @@ def test_every_figure_a_page_shows_has_a_command_that_makes_it():
     for path, figure in FIGURES.items():
         assert (ROOT / path).exists(), f"{path}: in the table of figures, but not in the checkout"
         assert figure.command in pages, f"{path}: no page gives its command {figure.command!r}"
+
+
+def test_every_figure_has_its_data_beside_it():
+    from dtlab.app.figures import FIGURES
+
+    for png in sorted((ROOT / "docs" / "figures").glob("*.png")):
+        csv = png.with_suffix(".csv").relative_to(ROOT).as_posix()
+        assert csv in FIGURES, f"{png.name}: no {Path(csv).name} beside it made by `make figures`"
+        assert FIGURES[csv].command == FIGURES[png.relative_to(ROOT).as_posix()].command, (
+            f"{csv}: made by another command than {png.name}")

@@ -47,25 +47,50 @@ def compare(base: RunConfig, tier_names: list[str], world_sizes: list[int], *, o
             "comm_bytes_rank0": sum(v["bytes"] for v in comm.values()),
             "optimizer_state_bytes_max": s["memory_max_over_ranks"].get("optimizer_state", 0),
         })
-        if out_dir is not None:
-            result.save(out_dir / f"{cfg.tier}-w{cfg.world_size}")
     table = pd.DataFrame(rows)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out_dir / "compare.csv", index=False)
-        for name, fig in figures(table, done).items():
-            plots.save(fig, out_dir / f"{name}.png")
+        save_comparison(out_dir, table, done)
     return table
+
+
+def figure_data(table: Any, results: list[RunResult]) -> dict[str, Any]:
+    """The frame each figure of a comparison draws, by figure name (saved as NAME.csv beside NAME.png)."""
+    import pandas as pd
+
+    losses = pd.DataFrame([{"run": r.label, "step": int(step), "loss": float(loss)}
+                           for r in results for step, loss in r.loss_curve().items()])
+    return {"speedup": table[["tier", "world_size", "samples_per_s"]],
+            "breakdown": breakdown_frame(results),
+            "memory": memory_frame(results, ranks=2),
+            "loss": losses}
 
 
 def figures(table: Any, results: list[RunResult]) -> dict[str, Any]:
     """Speedup, step-time breakdown, memory and loss curves of a comparison."""
+    return draw(figure_data(table, results))
+
+
+def draw(data: dict[str, Any]) -> dict[str, Any]:
+    """The figures of ``figure_data``'s frames, by the same names."""
+    curves = {run: part.set_index("step")["loss"] for run, part in data["loss"].groupby("run", sort=False)}
     return {
-        "speedup": plots.speedup(table),
-        "breakdown": plots.step_breakdown(breakdown_frame(results)),
-        "memory": plots.memory_breakdown(memory_frame(results, ranks=2)),
-        "loss": plots.loss_curves({r.label: r.loss_curve() for r in results}),
+        "speedup": plots.speedup(data["speedup"]),
+        "breakdown": plots.step_breakdown(data["breakdown"]),
+        "memory": plots.memory_breakdown(data["memory"]),
+        "loss": plots.loss_curves(curves),
     }
+
+
+def save_comparison(folder: Path, table: Any, results: list[RunResult]) -> None:
+    """One folder per run, ``compare.csv``, and each figure as NAME.png with the data it draws as NAME.csv."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        result.save(folder / f"{result.config.tier}-w{result.config.world_size}")
+    table.to_csv(folder / "compare.csv", index=False)
+    data = figure_data(table, results)
+    for name, fig in draw(data).items():
+        data[name].to_csv(folder / f"{name}.csv", index=False)
+        plots.save(fig, folder / f"{name}.png")
 
 
 def format_table(table: Any) -> str:

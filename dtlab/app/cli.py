@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab import exercises, plots, tiers
+from dtlab import exercises, tiers
 from dtlab.analysis import estimate, flight
-from dtlab.analysis.compare import compare, figures, format_table
+from dtlab.analysis.compare import compare, format_table, save_comparison
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.app.bench import BENCH_DOC, run_all, update_doc
 from dtlab.app.saving import check_writable, fallback, save_result
@@ -142,16 +142,6 @@ def _world_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _save_compare(folder: Path, table: Any, results: list[RunResult]) -> None:
-    """What ``compare(out_dir=...)`` writes: one folder per run, compare.csv and the figures."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        result.save(folder / f"{result.config.tier}-w{result.config.world_size}")
-    table.to_csv(folder / "compare.csv", index=False)
-    for name, fig in figures(table, results).items():
-        plots.save(fig, folder / f"{name}.png")
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.opt:
         raise ValueError("--opt: compare runs every tier with its default options; use 'run --tier T --opt ...'")
@@ -171,9 +161,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(format_table(table))
     if args.out:
         try:
-            _save_compare(Path(args.out), table, done)
+            save_comparison(Path(args.out), table, done)
         except OSError as exc:
-            folder = fallback(args.out, exc, lambda f: _save_compare(f, table, done))
+            folder = fallback(args.out, exc, lambda f: save_comparison(f, table, done))
             print(f"wrote {folder}/compare.csv and one folder per run")
             return 1
         print(f"wrote {args.out}/compare.csv and one folder per run")
