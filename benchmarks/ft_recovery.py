@@ -1,30 +1,69 @@
-"""Time lost per fault: one SIGKILL at the same step under torchelastic (``elastic``) and under torchft (``ft``).
+"""Time lost per fault: one SIGKILL at the same step under torchelastic (``elastic``) and under torchft (``ft``),
+ft with torchft's default timeouts and with dtlab's tuned ones; and what ft costs on steps without faults.
 
-The same job -- two data-parallel ranks (elastic) or two replica groups of one
-rank (ft), an MLP of width 64, 40 steps of Adam -- runs with and without
-``kill`` of rank / replica group 1 at step 12, interleaved per round: elastic
-clean, elastic killed, ft clean, ft killed (reversed every other round). The
-time a fault costs is the killed run's training span (first to last finished
-step, from the run's events) minus the clean run's of the same round; the
-steps redone are read from the events too (elastic: since the last snapshot,
-every 5 steps; ft: the steps the live group ran again). Target: ft loses at
-most 1/5 of what elastic loses (median over rounds of the per-round ratio).
+The same job -- two data-parallel ranks (ddp, elastic) or two replica groups of one rank (ft), an MLP of width
+64, 40 steps of Adam -- runs as ddp (no faults), elastic and ft, with and without ``kill`` of rank / replica
+group 1 at step 12, ft under both timeout settings (``ft.Options(timeouts="torchft" | "tuned")``, in full in
+``dtlab.core.replica.TIMEOUTS``), interleaved per round (reversed every other round). Per round:
+
+- time lost per fault: the killed run's training span (first to last finished step, from the run's events)
+  minus the clean run's of the same tier and setting;
+- the loss part by part (``dtlab.analysis.recovery``): detection, restart, rendezvous or quorum, snapshot load
+  or state transfer, redone steps; the medians over rounds drawn on one timeline (``ft_recovery.png``, its
+  data ``ft_recovery_parts.csv``);
+- cost per step without faults: the clean runs' median step (slowest rank, ``steps_frame``), ft against ddp
+  and elastic, and the span per step that the time lost is measured on;
+- samples lost: the committed steps with fewer groups x the missing share of the global batch.
+
+The break-even fault interval (``dtlab.analysis.breakeven``) follows from the medians: ft finishes first while
+faults come more often than every N steps; in hours at this run's step and at STATED_STEP_S.
+
+Checks that fail the benchmark (``check_ft``): a killed group that did not rejoin, a group that did not
+finish, or groups whose final parameters differ (every group's compared with group 0's). Target: ft loses at
+most 1/5 of what elastic loses (median over rounds of the per-round ratio), judged under each setting.
 
     .venv/bin/python benchmarks/ft_recovery.py [--quick] [--out results/bench] [--repeats ROUNDS]
 """
 
 from __future__ import annotations
 
-import _common as common
+import math
+import os
+from typing import Any
 
+import _common as common
+import pandas as pd
+
+from dtlab.analysis import breakeven, recovery
 from dtlab.analysis import elastic as elastic_runs
 from dtlab.analysis import ft as ft_runs
 from dtlab.core.config import RunConfig
+from dtlab.core.results import RunResult
+from dtlab.plots import save
+from dtlab.plots.recovery import recovery_timeline
 from dtlab.tiers import elastic, ft
 from dtlab.train import run
+from dtlab.train.replicas import replica_agreement
 
 NAME = "ft_recovery"
 FAULT_STEP = 12
+SETTINGS = ("torchft", "tuned")
+STATED_STEP_S = 1.0  # a step of a large model, for the break-even in hours (the same seconds lost per fault)
+TARGET = 0.2
+
+
+def check_ft(result: RunResult, replicas: int, killed: int | None) -> None:
+    """RuntimeError unless every group finished with group 0's parameters and the killed group rejoined."""
+    finished = sorted({int(r.strategy["replica"]) for r in result.ranks})
+    if finished != list(range(replicas)):
+        raise RuntimeError(f"replica groups {finished} finished, not all {replicas}: a group was lost")
+    diff = replica_agreement(result, replicas)
+    if not diff == 0.0:  # NaN (a group's parameters missing) fails too
+        raise RuntimeError(f"the replica groups ended with different parameters (largest difference {diff!r})")
+    if killed is not None:
+        rec = [r for r in ft_runs.recovery(result) if r["replica"] == killed]
+        if not rec or math.isnan(rec[0]["rejoin_t"]) or math.isnan(rec[0]["recovered_t"]):
+            raise RuntimeError(f"replica group {killed} was killed and did not rejoin")
 
 
 def _span(events: list[dict], kind: str) -> float:
@@ -33,47 +72,118 @@ def _span(events: list[dict], kind: str) -> float:
     return max(done) - min(done)
 
 
-def variants(steps: int) -> dict:
+def configs(steps: int) -> dict[str, RunConfig]:
     job = dict(world_size=2, model_size=64, steps=steps, optimizer="adam", threads_per_rank=1)
-    cfgs = {"elastic": RunConfig(tier="elastic", **job, tier_options=elastic.Options()),
+    kill = (f"kill:{FAULT_STEP}:1",)
+    cfgs = {"ddp": RunConfig(tier="ddp", **job),
+            "elastic": RunConfig(tier="elastic", **job, tier_options=elastic.Options()),
             "elastic_killed": RunConfig(tier="elastic", **job,
-                                        tier_options=elastic.Options(faults=(f"sigkill:{FAULT_STEP}:1",))),
-            "ft": RunConfig(tier="ft", **job, tier_options=ft.Options()),
-            "ft_killed": RunConfig(tier="ft", **job, tier_options=ft.Options(faults=(f"kill:{FAULT_STEP}:1",)))}
+                                        tier_options=elastic.Options(faults=(f"sigkill:{FAULT_STEP}:1",)))}
+    for setting in SETTINGS:
+        cfgs[f"ft_{setting}"] = RunConfig(tier="ft", **job, tier_options=ft.Options(timeouts=setting))
+        cfgs[f"ft_{setting}_killed"] = RunConfig(tier="ft", **job,
+                                                 tier_options=ft.Options(timeouts=setting, faults=kill))
+    return cfgs
 
-    def measure(name: str, cfg: RunConfig) -> dict:
-        result = run(cfg, progress=False)
-        if cfg.tier == "elastic":
-            span = _span(result.run_events, "step")
-            redone = elastic_runs.restart(result)["recomputed_steps"] if "killed" in name else 0
-        else:
-            span = _span(result.run_events, "ft_step")
-            redone = ft_runs.recovery(result)[0]["redone_steps"] if "killed" in name else 0
-            if result.ranks[0].strategy["replicas_max_param_diff"] != 0.0:
-                raise RuntimeError(f"{name}: the replica groups ended with different parameters")
-        return {"span_s": span, "wall_s": result.wall_s, "redone_steps": redone}
 
-    return {name: (lambda _r, name=name, cfg=cfg: measure(name, cfg)) for name, cfg in cfgs.items()}
+def measure(name: str, cfg: RunConfig, parts: list[dict]) -> dict[str, Any]:
+    result = run(cfg, progress=False)
+    killed = name.endswith("_killed")
+    row = {"step_s": common.steady_step_s(result), "wall_s": result.wall_s, "redone_steps": 0,
+           "samples_lost": 0.0, "span_s": float("nan")}
+    if cfg.tier == "elastic":
+        row["span_s"] = _span(result.run_events, "step")
+        if killed:
+            row["redone_steps"] = elastic_runs.restart(result)["recomputed_steps"]
+            parts.append(recovery.elastic_parts(result))
+    elif cfg.tier == "ft":
+        check_ft(result, cfg.tier_options.replicas, 1 if killed else None)
+        row["span_s"] = _span(result.run_events, "ft_step")
+        if killed:
+            row["redone_steps"] = ft_runs.recovery(result)[0]["redone_steps"]
+            row["samples_lost"] = breakeven.samples_lost(ft_runs.participants(result), cfg.tier_options.replicas,
+                                                         cfg.global_batch_size)
+            parts.append(recovery.ft_parts(result, label=f"ft ({name.split('_')[1]} timeouts)"))
+    row["span_step_s"] = row["span_s"] / (cfg.steps - 1)
+    return row
+
+
+def lost_per_round(rows: list[dict]) -> None:
+    """Each killed row's ``lost_s``: its span minus the clean run's of the same round."""
+    for row in rows:
+        row["lost_s"] = 0.0
+        if row["variant"].endswith("_killed"):
+            clean = next(r for r in rows if r["round"] == row["round"]
+                         and r["variant"] == row["variant"].removesuffix("_killed"))
+            row["lost_s"] = row["span_s"] - clean["span_s"]
+
+
+def median_parts(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """Per lane and part: the median seconds over the rounds, laid end to end again."""
+    frame = pd.concat(parts, ignore_index=True)
+    order = frame[["lane", "part"]].drop_duplicates()
+    seconds = frame.groupby(["lane", "part"], sort=False)["seconds"].median()
+    out = []
+    for lane, group in order.groupby("lane", sort=False):
+        t = 0.0
+        for part in group["part"]:
+            s = float(seconds[(lane, part)])
+            out.append({"lane": lane, "part": part, "start_s": t, "end_s": t + s, "seconds": s})
+            t += s
+    return pd.DataFrame(out)
+
+
+def _med(rows: list[dict], variant: str, key: str) -> float:
+    return common.median(r[key] for r in rows if r["variant"] == variant and r["round"] >= 0)
+
+
+def summarise(rows: list[dict], quick: bool) -> list[str]:
+    """The result lines: per setting, ft / elastic time lost and break-even; ft's step against ddp and elastic."""
+    lines = []
+    lost_e, step_e = _med(rows, "elastic_killed", "lost_s"), _med(rows, "elastic", "span_step_s")
+    for setting in SETTINGS:
+        v = f"ft_{setting}"
+        ratios = common.ratios(rows, f"{v}_killed", "elastic_killed", "lost_s")
+        ratio, lost_f = common.median(ratios), _med(rows, f"{v}_killed", "lost_s")
+        n = breakeven.break_even_steps(max(lost_e, 0.0), max(lost_f, 0.0), step_e, _med(rows, v, "span_step_s"))
+        lines.append(common.result_line(
+            f"{NAME}[{setting} timeouts]", ratio, f"<= {TARGET}", quick=quick, passed=ratio <= TARGET,
+            detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(ratios)}; medians: "
+                   f"elastic {lost_e:.2f} s, {_med(rows, 'elastic_killed', 'redone_steps'):g} steps redone; ft "
+                   f"{lost_f:.2f} s, {_med(rows, f'{v}_killed', 'redone_steps'):g} step(s) redone, "
+                   f"{_med(rows, f'{v}_killed', 'samples_lost'):g} samples lost; break-even: ft pays while faults "
+                   f"come more often than every {n:.0f} steps ({breakeven.break_even_hours(n, step_e):.3f} h at "
+                   f"this run's {step_e * 1e3:.1f} ms per step, {breakeven.break_even_hours(n, STATED_STEP_S):.1f} h "
+                   f"at {STATED_STEP_S:g} s)"))
+    for base in ("ddp", "elastic"):
+        ratios = common.ratios(rows, "ft_tuned", base, "step_s")
+        lines.append(common.result_line(f"{NAME}[step without faults, ft / {base}]", common.median(ratios),
+                                        "informational", quick=quick, detail=f"{common.ratio_text(ratios)}; "
+                                        f"medians {_med(rows, 'ft_tuned', 'step_s') * 1e3:.2f} ms against "
+                                        f"{_med(rows, base, 'step_s') * 1e3:.2f} ms"))
+    return lines
 
 
 def main() -> None:
     args = common.parse(common.parser(__doc__))
-    rows = common.interleave(variants(16 if args.quick else 40), common.repeats(args, full=5, quick=1),
+    common.note(f"load average before: {_loadavg()}")
+    parts: list[pd.DataFrame] = []
+    variants = {name: (lambda r, name=name, cfg=cfg: measure(name, cfg, parts if r >= 0 else []))
+                for name, cfg in configs(16 if args.quick else 40).items()}
+    rows = common.interleave(variants, common.repeats(args, full=5, quick=1),
                              warmup_rounds=0 if args.quick else 1, log=common.note)
-    for row in rows:  # the time this round's fault cost: killed span minus the clean span of the same round
-        clean = next(r for r in rows if r["round"] == row["round"] and r["variant"] == row["variant"].split("_")[0])
-        row["lost_s"] = row["span_s"] - clean["span_s"] if row["variant"].endswith("_killed") else 0.0
+    lost_per_round(rows)
     common.write_csv(args.out / f"{NAME}.csv", rows)
-    ratios = common.ratios(rows, "ft_killed", "elastic_killed", "lost_s")
-    ratio = common.median(ratios)
-    lost = {v: common.median(r["lost_s"] for r in rows if r["variant"] == v and r["round"] >= 0)
-            for v in ("elastic_killed", "ft_killed")}
-    redone = {v: common.median(r["redone_steps"] for r in rows if r["variant"] == v and r["round"] >= 0)
-              for v in ("elastic_killed", "ft_killed")}
-    common.result_line(NAME, ratio, "<= 0.2", quick=args.quick, passed=ratio <= 0.2,
-                       detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(ratios)}; "
-                              f"medians: elastic {lost['elastic_killed']:.2f} s and {redone['elastic_killed']:g} "
-                              f"steps redone, ft {lost['ft_killed']:.2f} s and {redone['ft_killed']:g} step(s) redone")
+    timeline = median_parts(parts)
+    common.write_csv(args.out / f"{NAME}_parts.csv", timeline.to_dict("records"))
+    save(recovery_timeline(timeline, title="One SIGKILL, part by part (medians over rounds)"),
+         args.out / f"{NAME}.png")
+    summarise(rows, args.quick)
+    common.note(f"load average after: {_loadavg()}")
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -24,6 +24,40 @@ HEARTBEAT_TIMEOUT_MS = 300
 
 
 @dataclass(frozen=True)
+class Timeouts:
+    """How fast torchft notices a dead replica group: the managers' beat, and the lighthouse's three settings.
+
+    ``heartbeat_timeout_ms``: beats missed this long, a group is out of the next quorum; ``join_timeout_ms``:
+    how long a quorum that could form waits for groups that beat but have not asked yet; ``quorum_tick_ms``:
+    how often the lighthouse looks again while it waits.
+    """
+
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+    join_timeout_ms: int
+    quorum_tick_ms: int
+
+
+# torchft 0.2.0's own defaults: the lighthouse's command line (``--heartbeat_timeout_ms`` 5000,
+# ``--join_timeout_ms`` 60000, ``--quorum_tick_ms`` 100; LighthouseServer takes the same when given None) and
+# ``torchft.Manager(heartbeat_interval=timedelta(milliseconds=100))``.
+TORCHFT_TIMEOUTS = Timeouts(heartbeat_interval_ms=100, heartbeat_timeout_ms=5000, join_timeout_ms=60000,
+                            quorum_tick_ms=100)
+# dtlab's, tuned for a few groups on one machine: six missed beats are a dead group.
+TUNED_TIMEOUTS = Timeouts(heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+                          join_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=20)
+TIMEOUTS = {"torchft": TORCHFT_TIMEOUTS, "tuned": TUNED_TIMEOUTS}
+
+
+def timeouts(name: str, field: str = "timeouts") -> Timeouts:
+    """``"torchft"`` or ``"tuned"`` -> its Timeouts; a one-line ValueError naming ``field`` otherwise."""
+    if name not in TIMEOUTS:
+        raise ValueError(f"{field}={name!r} is invalid: choose one of {', '.join(map(repr, TIMEOUTS))} "
+                         f"(torchft's own defaults, or dtlab's tuned ones)")
+    return TIMEOUTS[name]
+
+
+@dataclass(frozen=True)
 class ReplicaIdentity:
     replica: int  # the replica group, 0..replicas-1
     attempt: int  # 0 at the first start, +1 at each restart of this group

@@ -33,6 +33,7 @@ from typing import Any
 
 from dtlab.core import events, replica
 from dtlab.core.failures import NoPeerToRecover, RankError
+from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
 from dtlab.launch import lighthouse as lighthouses
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar
 from dtlab.launch.local import launch
@@ -156,11 +157,12 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
               lighthouse_port: int = 0, backend: str = "auto", device: str = "auto", timeout_s: float = 60.0,
               deadline_s: float | None = None, start_method: str = "forkserver", progress: Progress = True,
               record: bool = True, env: dict[str, str] | None = None,
-              stop: threading.Event | None = None) -> LaunchResult:
+              stop: threading.Event | None = None, timeouts: Timeouts = TUNED_TIMEOUTS) -> LaunchResult:
     """Run ``fn(info, *args)`` on ``replicas`` groups of ``ranks_per_replica`` ranks joined by a lighthouse.
 
     ``nodes`` (one per group) runs each group inside a simulated host; the lighthouse then runs in the
-    first. Values come back in replica order, then rank order, for the groups that finished; the
+    first; ``timeouts`` are its heartbeat, join and tick settings. Values come back in replica order, then
+    rank order, for the groups that finished; the
     result's ``events`` hold the groups' starts, failures and restarts and what their ranks reported.
     Raises the first group's RankError if none finished.
     """
@@ -174,9 +176,11 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
     run = _Run(fn, args, replicas, ranks_per_replica, options, nodes, max_restarts, start_method)
     try:
         host = nodes[0] if nodes else Node()
-        with lighthouses.running(host.addr, lighthouse_port, min_replicas, host.netns, run.work) as lighthouse:
+        with lighthouses.running(host.addr, lighthouse_port, min_replicas, host.netns, run.work,
+                                 timeouts) as lighthouse:
             run.lighthouse = lighthouse.addr
-            run.emit("lighthouse_start", addr=lighthouse.addr, min_replicas=min_replicas)
+            run.emit("lighthouse_start", addr=lighthouse.addr, min_replicas=min_replicas,
+                     heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms)
             _run_groups(run, stop)
             run.emit("lighthouse_stop")
         return _collect(run)

@@ -30,12 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtlab.core.replica import HEARTBEAT_TIMEOUT_MS
+from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
 
 __all__ = ["Lighthouse", "LighthouseError", "running", "start", "stop"]
 
-JOIN_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS  # how long a valid quorum waits for heartbeating groups that have not asked
-QUORUM_TICK_MS = 20
 START_TIMEOUT_S = 20.0
 
 _MAIN = """
@@ -83,15 +81,16 @@ class Lighthouse:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def command(script: Path, host: str, port: int, min_replicas: int, netns: str | None = None) -> list[str]:
+def command(script: Path, host: str, port: int, min_replicas: int, netns: str | None = None,
+            timeouts: Timeouts = TUNED_TIMEOUTS) -> list[str]:
     cmd = [sys.executable, str(script), "--bind", f"{host}:{port}", "--min_replicas", str(min_replicas),
-           "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
-           "--quorum_tick_ms", str(QUORUM_TICK_MS)]
+           "--heartbeat_timeout_ms", str(timeouts.heartbeat_timeout_ms),
+           "--join_timeout_ms", str(timeouts.join_timeout_ms), "--quorum_tick_ms", str(timeouts.quorum_tick_ms)]
     return ["ip", "netns", "exec", netns, *cmd] if netns else cmd
 
 
 def start(host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1, netns: str | None = None,
-          log_dir: str | os.PathLike[str] | None = None) -> Lighthouse:
+          log_dir: str | os.PathLike[str] | None = None, timeouts: Timeouts = TUNED_TIMEOUTS) -> Lighthouse:
     """Start a lighthouse bound to ``host:port`` (0: a free port) and wait until it listens.
 
     A port already in use is a ValueError in one line; any other start failure a LighthouseError with
@@ -102,8 +101,8 @@ def start(host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1, netns: 
     script.write_text(_MAIN)
     with open(log_path, "wb") as log:
         # RUST_LOG=info whatever the caller's: its "listening on" line is how this function learns the port.
-        proc = subprocess.Popen(command(script, host, port, min_replicas, netns), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.PIPE, start_new_session=True,
+        proc = subprocess.Popen(command(script, host, port, min_replicas, netns, timeouts), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
                                 env={**os.environ, "RUST_LOG": "info"})
     try:
         bound = _wait_listening(proc, log_path, host, port)
@@ -152,9 +151,10 @@ def stop(lighthouse: Lighthouse) -> None:
 
 @contextlib.contextmanager
 def running(host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1, netns: str | None = None,
-            log_dir: str | os.PathLike[str] | None = None) -> Iterator[Lighthouse]:
+            log_dir: str | os.PathLike[str] | None = None,
+            timeouts: Timeouts = TUNED_TIMEOUTS) -> Iterator[Lighthouse]:
     """``with running(...) as lighthouse:`` -- stopped on exit, also after an error or an interrupt."""
-    lighthouse = start(host, port, min_replicas, netns, log_dir)
+    lighthouse = start(host, port, min_replicas, netns, log_dir, timeouts)
     try:
         yield lighthouse
     finally:

@@ -24,6 +24,7 @@ the parameters ddp trains at the same world size and global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,21 +40,34 @@ from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
 from dtlab.core.job import OptimizerFactory
-from dtlab.core.registry import TierSpec
+from dtlab.core.registry import ReplicaPlan, TierSpec
 from dtlab.core.replica import identity
+from dtlab.core.replica import timeouts as replica_timeouts
 from dtlab.instrument.recorder import tagged
 from dtlab.tiers import base, replicas
 
-__all__ = ["Options", "SPEC", "Strategy", "validate"]
+__all__ = ["Options", "SPEC", "Strategy", "plan", "validate"]
 
 
 @dataclass(frozen=True)
 class Options(replicas.ReplicaOptions):
-    """Replica groups (see ``dtlab.tiers.replicas.ReplicaOptions``) that average gradients every step."""
+    """Replica groups (see ``dtlab.tiers.replicas.ReplicaOptions``) that average gradients every step.
+
+    ``timeouts``: how fast a dead group is noticed -- ``"tuned"`` (dtlab's: 300 ms without heartbeats,
+    beats every 50 ms) or ``"torchft"`` (torchft 0.2.0's defaults: 5000 ms, every 100 ms); both in full in
+    ``dtlab.core.replica.TIMEOUTS``.
+    """
+
+    timeouts: str = "tuned"
 
 
 def validate(cfg: RunConfig) -> None:
     replicas.validate(cfg)
+    replica_timeouts(cfg.tier_options.timeouts, f"{cfg.tier} tier_options.timeouts")
+
+
+def plan(cfg: RunConfig) -> ReplicaPlan:
+    return dataclasses.replace(replicas.plan(cfg), timeouts=cfg.tier_options.timeouts)
 
 
 class Strategy(base.Strategy):
@@ -67,7 +81,11 @@ class Strategy(base.Strategy):
         self.data_rank, self.data_world = self.ident.replica * info.world_size + info.rank, cfg.world_size
         self.faults = replicas.Faults(replicas.parse_faults(o.faults, cfg.steps, o.replicas, cfg.tier), self.ident,
                                       info.rank)
-        self.manager, self.quorums = replicas.make_manager(cfg, info, self.ident, sync_quorum=False)
+        beat = replica_timeouts(o.timeouts).heartbeat_interval_ms
+        self.manager, self.quorums = replicas.make_manager(cfg, info, self.ident, sync_quorum=False,
+                                                           heartbeat_interval_ms=beat)
+        if info.rank == 0:  # the process is up and beats: what a restarted group's process start cost
+            emit("ft_manager_ready", replica=self.ident.replica, replica_attempt=self.ident.attempt)
         self.model: nn.Module | None = None
         self.inner: torch.optim.Optimizer | None = None
         self.records: list[dict[str, Any]] = []  # one per step run: committed or not, and with how many groups
@@ -106,6 +124,8 @@ class Strategy(base.Strategy):
     def _load(self, state: dict[str, Any]) -> None:
         self.unwrap(self.model).load_state_dict(state["model"])
         self.inner.load_state_dict(state["optimizer"])
+        if self.info.rank == 0:  # the live state has arrived from a peer: the end of the transfer
+            emit("ft_state_loaded", replica=self.ident.replica, replica_attempt=self.ident.attempt)
 
     def on_step_start(self, step: int) -> None:
         self.step_started = time.time()
@@ -179,4 +199,4 @@ def _ddp_class() -> type:
 
 SPEC = TierSpec(name="ft", summary="torchft: replica groups average every step; a failed group rejoins from a peer",
                 options=Options, validate=validate, strategy=Strategy, launcher="ft", preflight=replicas.preflight,
-                replicas=replicas.plan, choices={"network": replicas.NETWORKS})
+                replicas=plan, choices={"network": replicas.NETWORKS, "timeouts": ("tuned", "torchft")})

@@ -228,7 +228,8 @@ def _servers_bound_to(host: str) -> Iterator[None]:
         tm.ManagerServer = original
 
 
-def make_manager(cfg: RunConfig, info: DistInfo, ident: ReplicaIdentity, *, sync_quorum: bool) -> tuple[Any, QuorumLog]:
+def make_manager(cfg: RunConfig, info: DistInfo, ident: ReplicaIdentity, *, sync_quorum: bool,
+                 heartbeat_interval_ms: int = HEARTBEAT_INTERVAL_MS) -> tuple[Any, QuorumLog]:
     """This rank's torchft Manager (its replica group's rank ``info.rank``) and the log of its quorum changes.
 
     Recovery goes over the Manager's own gloo group (torchft's PGTransport), never through a file, and
@@ -252,6 +253,6 @@ def make_manager(cfg: RunConfig, info: DistInfo, ident: ReplicaIdentity, *, sync
             use_async_quorum=not sync_quorum, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=info.rank, world_size=info.world_size, replica_id=f"replica{ident.replica}",
             lighthouse_addr=ident.lighthouse, hostname=ident.host, init_sync=False, max_retries=MAX_COMMIT_RETRIES,
-            heartbeat_interval=datetime.timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
+            heartbeat_interval=datetime.timedelta(milliseconds=heartbeat_interval_ms),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=info.device))
     return manager, quorums

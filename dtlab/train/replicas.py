@@ -2,9 +2,10 @@
 
 Each replica group is a world of its own, so its ranks number themselves from
 0; the run renumbers them (replica x ranks_per_replica + rank), in the ranks'
-results and in their recorded events, and checks whether the groups that
-finished hold the same parameters (``replicas_max_param_diff`` in every rank's
-``strategy``: 0.0 for torchft's per-step averaging after any fault).
+results and in their recorded events, and checks whether every group finished
+holding the same parameters (``replicas_max_param_diff`` in every rank's
+``strategy``: 0.0 for torchft's per-step averaging after any fault; NaN when a
+group did not finish, so that a check for 0.0 fails).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import ReplicaPlan
+from dtlab.core.replica import timeouts as replica_timeouts
 from dtlab.core.results import RankResult, RunResult, max_param_diff, params_from_bytes
 from dtlab.launch import netns
 from dtlab.launch.contract import Progress
@@ -47,10 +49,10 @@ def run_replicas(cfg: RunConfig, plan: ReplicaPlan, network: tuple[str, str], *,
                         min_replicas=plan.min_replicas, max_restarts=plan.max_restarts,
                         lighthouse_port=plan.lighthouse_port, backend=cfg.backend, device=cfg.device,
                         timeout_s=cfg.timeout_s, start_method=start_method, progress=progress, record=record,
-                        stop=stop)
+                        stop=stop, timeouts=replica_timeouts(plan.timeouts))
     ranks = [_globalised(r, plan.ranks_per_replica) for r in out.values]
     result = RunResult(cfg, sorted(ranks, key=lambda r: r.rank), time.perf_counter() - start, out.logs, out.events)
-    agreement = replica_agreement(result)
+    agreement = replica_agreement(result, plan.replicas)
     for rank in result.ranks:
         rank.strategy.update(network=where, link_mbit=plan.link_mbit if where == "netns" else 0.0,
                              replicas_finished=sorted({r.strategy["replica"] for r in result.ranks}),
@@ -67,7 +69,16 @@ def _globalised(rank: RankResult, ranks_per_replica: int) -> RankResult:
     return rank
 
 
-def replica_agreement(result: RunResult) -> float:
-    """The largest parameter difference between any finished replica group and the first (0.0: identical)."""
-    held: list[Any] = [params_from_bytes(r.params) for r in result.ranks if r.params is not None]
-    return max((max_param_diff(held[0], other) for other in held[1:]), default=0.0)
+def replica_agreement(result: RunResult, replicas: int) -> float:
+    """The largest parameter difference between replica group 0 and every other of the ``replicas`` groups.
+
+    0.0: identical. NaN when fewer than ``replicas`` groups returned parameters: a group that did not finish
+    cannot agree, and NaN equals nothing, so ``agreement == 0.0`` fails instead of passing by default.
+    """
+    held: dict[int, Any] = {}
+    for r in result.ranks:
+        if r.params is not None:
+            held.setdefault(int(r.strategy["replica"]), params_from_bytes(r.params))
+    if sorted(held) != list(range(replicas)):
+        return float("nan")
+    return max((max_param_diff(held[0], held[g]) for g in range(1, replicas)), default=0.0)
