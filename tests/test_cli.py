@@ -219,3 +219,20 @@ def test_exercises_are_listed_and_described_from_the_shell(capsys):
     assert "(r + 1) % n" in capsys.readouterr().out
     assert main(["exercises", "nope"]) == 2
     assert "no exercise named 'nope'" in capsys.readouterr().err
+
+
+def test_estimate_passes_compute_and_refuses_it_without_a_link(monkeypatch, capsys):
+    seen = {}
+
+    def fake(cfg, link, compute="timed"):
+        seen.update(link=link, compute=compute)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli.estimate, "estimate", fake)
+    assert main(["estimate", "--tier", "ddp", "--world-size", "2", "--link", "200", "--compute", "predicted"]) == 2
+    assert seen["compute"] == "predicted" and seen["link"] is not None
+    capsys.readouterr()
+    seen.clear()
+    assert main(["estimate", "--compute", "predicted"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --compute predicted: the compute is priced only with --link") and not seen

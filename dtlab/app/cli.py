@@ -262,7 +262,9 @@ def parse_link(text: str) -> Any:
 def cmd_estimate(args: argparse.Namespace) -> int:
     """``estimate``: the job's predicted memory per rank, nothing launched; with ``--link``, its step time too."""
     link = parse_link(args.link) if args.link else None
-    est = estimate.estimate(config_from_args(args, args.tier, args.world_size), link)
+    if args.compute != "timed" and link is None:
+        raise ValueError(f"--compute {args.compute}: the compute is priced only with --link (a step time)")
+    est = estimate.estimate(config_from_args(args, args.tier, args.world_size), link, compute=args.compute)
     if args.json:
         print(est.to_json())
         return 0
@@ -316,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                        "assumptions, per_rank")
     p_est.add_argument("--link", default="", metavar="MBIT[:ALPHA_US]",
                        help="predict the step time too, on a link of this bandwidth (Mbit/s) and latency (us, "
-                            "default 50); compute is timed on this machine")
+                            "default 50)")
+    p_est.add_argument("--compute", default="timed", choices=("timed", "predicted"),
+                       help="with --link: a rank's compute timed here (default), or predicted on this machine's "
+                            "roofline (python -m dtlab.analysis.roofline saves it)")
     _add_job_args(p_est)
     p_est.set_defaults(func=cmd_estimate)
     p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")
