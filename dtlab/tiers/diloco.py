@@ -10,6 +10,10 @@ parameters. The link carries one model's worth of bytes every H steps instead
 of every step. ``fragments`` > 1 is streaming DiLoCo: the model is split into
 that many pieces and one piece synchronises every H / fragments steps, so the
 traffic is spread out (each piece still every H steps).
+``outer_comm_dtype`` sends the pseudo-gradients as bf16, int8 or fp8 codes (``dtlab.tiers.diloco_comm``;
+int8 and fp8 with one float32 scale per 128 values) instead of fp32. ``evaluate_syncs`` evaluates the model each
+group holds right after each synchronisation on the held-out split (the synchronised model, for fragments = 1),
+outside the timed step, and records it with the synchronisation.
 
 torchft's ``DiLoCo`` does all of it from hooks on the inner optimizer; the
 Manager forms a quorum at each synchronisation only, so a failed group costs
@@ -34,10 +38,13 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
-from dtlab.core.job import OptimizerFactory, build_job
+from dtlab.core.job import OptimizerFactory, build_job, load_data
+from dtlab.core.models import evaluate
+from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.core.replica import identity
 from dtlab.tiers import base, replicas
+from dtlab.tiers.diloco_comm import QuantisedManager
 
 __all__ = ["Options", "SPEC", "Strategy", "fragment_modules", "validate"]
 
@@ -48,6 +55,8 @@ class Options(replicas.ReplicaOptions):
     outer_lr: float = 0.7
     outer_momentum: float = 0.9  # Nesterov
     fragments: int = 1  # > 1: streaming DiLoCo, one fragment synchronises every sync_every / fragments steps
+    outer_comm_dtype: str = "fp32"  # how pseudo-gradients travel: fp32, bf16, int8 or fp8 (dtlab.core.quantise)
+    evaluate_syncs: bool = False  # held-out loss of each group's model right after each synchronisation
 
 
 def validate(cfg: RunConfig) -> None:
@@ -64,6 +73,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.steps % o.sync_every:
         raise ValueError(f"{name}.sync_every={o.sync_every} must divide steps={cfg.steps}: the run ends on a "
                          f"synchronisation, where every replica group holds the same model")
+    if o.outer_comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"{name}.outer_comm_dtype={o.outer_comm_dtype!r} is invalid: choose one of "
+                         f"{', '.join(COMM_DTYPES)}")
+    if not isinstance(o.evaluate_syncs, bool):
+        raise ValueError(f"{name}.evaluate_syncs={o.evaluate_syncs!r} is invalid: must be True or False")
     if not o.outer_lr > 0:
         raise ValueError(f"{name}.outer_lr={o.outer_lr!r} is invalid: must be > 0")
     if not 0 <= o.outer_momentum < 1:
@@ -117,6 +131,8 @@ class Strategy(base.Strategy):
         self.healed_to: int | None = None  # set when this group received a peer's state during this step
         self.syncs: list[dict[str, Any]] = []
         self.inner_steps = 0  # counted as torchft's DiLoCo counts them: a fragment syncs every H / fragments
+        # the held-out split, for evaluate_syncs: loaded once, on the group's rank 0 only
+        self.heldout = load_data(cfg) if self.options.evaluate_syncs and info.rank == 0 else None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.model = model
@@ -136,7 +152,9 @@ class Strategy(base.Strategy):
                  for p in pieces]
         if self.ident.attempt == 0:
             replicas.wait_for_all(self.manager, self.ident, self.cfg.timeout_s)
-        self.diloco = DiLoCo(self.manager, pieces, self.inner, outer, sync_every=o.sync_every,
+        manager = self.manager if o.outer_comm_dtype == "fp32" else QuantisedManager(self.manager,
+                                                                                     o.outer_comm_dtype)
+        self.diloco = DiLoCo(manager, pieces, self.inner, outer, sync_every=o.sync_every,
                              use_bucketization=True)  # one flat all-reduce per fragment, not one per tensor
         self.diloco.__enter__()  # its hooks on the inner optimizer: they synchronise every sync_every steps
         return self.inner
@@ -162,6 +180,8 @@ class Strategy(base.Strategy):
         record = {"step": step, "syncs_committed": self.manager.current_step(),
                   "participants": self.manager.num_participants(), "healed_to": self.healed_to,
                   "quorum_id": self.quorums.latest}
+        if self.heldout is not None:  # after the step's timing ends: the evaluation is not training time
+            record["heldout_loss"] = evaluate(self.unwrap(self.model), self.heldout, self.info.device)["loss"]
         self.syncs.append(record)
         if self.info.rank == 0:
             emit("diloco_sync", replica=self.ident.replica, replica_attempt=self.ident.attempt, **record)
@@ -190,7 +210,8 @@ class Strategy(base.Strategy):
         o = self.options
         return {"replica": self.ident.replica, "attempt": self.ident.attempt, "group_rank": self.info.rank,
                 "sync_every": o.sync_every, "fragments": o.fragments, "outer_lr": o.outer_lr,
-                "outer_momentum": o.outer_momentum, "syncs": self.syncs, "torchft": replicas.TORCHFT_VERSION}
+                "outer_momentum": o.outer_momentum, "outer_comm_dtype": o.outer_comm_dtype, "syncs": self.syncs,
+                "torchft": replicas.TORCHFT_VERSION}
 
 
 SPEC = TierSpec(name="diloco", summary="torchft DiLoCo: replica groups sync every H steps (outer Nesterov step)",
