@@ -151,10 +151,12 @@ def summarise(rows: list[dict], quick: bool) -> list[str]:
             detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(ratios)}; medians: "
                    f"elastic {lost_e:.2f} s, {_med(rows, 'elastic_killed', 'redone_steps'):g} steps redone; ft "
                    f"{lost_f:.2f} s, {_med(rows, f'{v}_killed', 'redone_steps'):g} step(s) redone, "
-                   f"{_med(rows, f'{v}_killed', 'samples_lost'):g} samples lost; break-even: ft pays while faults "
-                   f"come more often than every {n:.0f} steps ({breakeven.break_even_hours(n, step_e):.3f} h at "
-                   f"this run's {step_e * 1e3:.1f} ms per step, {breakeven.break_even_hours(n, STATED_STEP_S):.1f} h "
-                   f"at {STATED_STEP_S:g} s)"))
+                   f"{_med(rows, f'{v}_killed', 'samples_lost'):g} samples lost; {_break_even_text(n, step_e)}"))
+    ratios = common.ratios(rows, "ft_tuned", "elastic", "span_step_s")
+    lines.append(common.result_line(f"{NAME}[span per step without faults, ft / elastic]", common.median(ratios),
+                                    "informational", quick=quick, detail=f"{common.ratio_text(ratios)}; medians "
+                                    f"{_med(rows, 'ft_tuned', 'span_step_s') * 1e3:.2f} ms against "
+                                    f"{step_e * 1e3:.2f} ms (elastic's includes its snapshots)"))
     for base in ("ddp", "elastic"):
         ratios = common.ratios(rows, "ft_tuned", base, "step_s")
         lines.append(common.result_line(f"{NAME}[step without faults, ft / {base}]", common.median(ratios),
@@ -164,13 +166,24 @@ def summarise(rows: list[dict], quick: bool) -> list[str]:
     return lines
 
 
+def _break_even_text(n: float, step_s: float) -> str:
+    if n == 0.0:
+        return "break-even: none, ft loses at least as much per fault as elastic"
+    if math.isinf(n):
+        return "break-even: ft pays at any fault rate (its steps cost no more than elastic's)"
+    return (f"break-even: ft pays while faults come more often than every {n:.0f} steps "
+            f"({breakeven.break_even_hours(n, step_s):.3f} h at this run's {step_s * 1e3:.1f} ms per step, "
+            f"{breakeven.break_even_hours(n, STATED_STEP_S):.1f} h at {STATED_STEP_S:g} s per step with the same "
+            f"seconds lost per fault and per step)")
+
+
 def main() -> None:
     args = common.parse(common.parser(__doc__))
     common.note(f"load average before: {_loadavg()}")
     parts: list[pd.DataFrame] = []
     variants = {name: (lambda r, name=name, cfg=cfg: measure(name, cfg, parts if r >= 0 else []))
                 for name, cfg in configs(16 if args.quick else 40).items()}
-    rows = common.interleave(variants, common.repeats(args, full=5, quick=1),
+    rows = common.interleave(variants, common.repeats(args, full=7, quick=1),
                              warmup_rounds=0 if args.quick else 1, log=common.note)
     lost_per_round(rows)
     common.write_csv(args.out / f"{NAME}.csv", rows)

@@ -62,6 +62,8 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/diloco_link.png": Figure(DILOCO_LINK, "results/bench/diloco_link.png"),
     "docs/figures/diloco_link.csv": Figure(DILOCO_LINK, "results/bench/diloco_link.csv"),
     "docs/figures/ft_recovery.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery.csv"),
+    "docs/figures/ft_recovery.png": Figure(FT_RECOVERY, "results/bench/ft_recovery.png"),
+    "docs/figures/ft_recovery_parts.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery_parts.csv"),
 }
 
 
