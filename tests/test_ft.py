@@ -8,6 +8,7 @@ import pytest
 
 import dtlab
 from dtlab.analysis import ft as ft_runs
+from dtlab.analysis import recovery as fault_parts
 from dtlab.app import cli
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
@@ -145,6 +146,13 @@ def test_a_killed_replica_group_rejoins_from_its_peer_and_the_groups_end_equal()
     assert set(recovery[recovery["tag"] == "ft_recovery"]["op"]) == {"isend", "irecv"}
     restarted = [r for r in result.ranks if r.strategy["replica"] == 1][0].strategy
     assert restarted["attempt"] == 1 and restarted["healed_at"] == 8
+    # the fault's parts, read from the events the restarted group emits on its way back, in order
+    parts = fault_parts.ft_parts(result)
+    assert list(parts["part"]) == ["detection", "quorum", "redone steps", "detection", "restart", "quorum",
+                                   "state transfer"]
+    assert (parts["seconds"] >= 0).all() and parts["end_s"].max() < 30
+    (started,) = [e for e in result.run_events if e["kind"] == "lighthouse_start"]
+    assert started["heartbeat_timeout_ms"] == 300  # the tuned timeouts, the default
 
 
 @pytest.mark.usefixtures("nothing_left")
