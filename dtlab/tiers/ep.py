@@ -48,7 +48,8 @@ from dtlab.instrument.recorder import tagged
 from dtlab.tiers import base
 from dtlab.tiers.sharded import meta_copy, plain_copy
 
-__all__ = ["Exchange", "HOT_BIAS", "Options", "SPEC", "Strategy", "expert_names", "shard_experts", "validate"]
+__all__ = ["Exchange", "HOT_BIAS", "Options", "SPEC", "Strategy", "expert_names", "overload", "shard_experts",
+           "validate"]
 
 HOT_BIAS = 10.0  # added to the hot expert's router logit: it becomes every token's first choice
 
@@ -154,6 +155,13 @@ def shard_experts(model: nn.Module, rank: int, world: int, exchange: type[Exchan
     return out
 
 
+def overload(hot_expert: int, _module: nn.Module, _args: Any, logits: torch.Tensor) -> torch.Tensor:
+    """A router's forward hook that makes ``hot_expert`` every token's first choice (``Options.hot_expert``)."""
+    bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    bias[hot_expert] = HOT_BIAS
+    return logits + bias
+
+
 def expert_names(model: nn.Module) -> list[str]:
     """The state-dict names of the experts' parameters this rank holds."""
     return [n for n, _ in model.named_parameters() if ".experts." in n]
@@ -178,10 +186,8 @@ class Strategy(base.Strategy):
         self.expert_ids = {id(p) for e in self.exchanges for p in e.layer.experts.parameters()}
         return model
 
-    def _overload(self, _module: nn.Module, _args: Any, logits: torch.Tensor) -> torch.Tensor:
-        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-        bias[self.options.hot_expert] = HOT_BIAS
-        return logits + bias
+    def _overload(self, _module: nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        return overload(self.options.hot_expert, _module, args, logits)
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Average the replicated parameters' gradients; scale the experts' (already summed over ranks)."""

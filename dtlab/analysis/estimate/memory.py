@@ -10,8 +10,7 @@ at their peak). Each tier's rule is a few lines, stated in its ``assumptions``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,6 +20,7 @@ from dtlab.analysis.estimate import activations as acts
 from dtlab.analysis.estimate import pipeline_walk
 from dtlab.analysis.estimate.experts import RULES as EXPERT_RULES
 from dtlab.analysis.estimate.mesh import RULES as MESH_RULES
+from dtlab.analysis.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes, optimizer_bytes
 from dtlab.analysis.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.core.config import RunConfig
 from dtlab.core.muon import assign_owners, is_matrix
@@ -28,35 +28,7 @@ from dtlab.tiers import fsdp as fsdp_tier
 from dtlab.tiers import pipeline
 from dtlab.tiers.pipeline_stages import MULTI_STAGE
 
-ADAM_STEP_BYTES = 4  # Adam's per-parameter ``step`` is a float32 scalar tensor
 DDP_FAMILY = ("ddp", "multinode", "elastic")
-
-
-@dataclass
-class RankMemory:
-    """One rank's predicted bytes by kind, and the reasoning behind them."""
-
-    rank: int
-    memory: dict[str, int]
-    assumptions: list[str] = field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        return sum(self.memory.values())
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor]) -> int:
-    """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing;
-    Muon keeps one momentum per 2-D weight and AdamW's moments and step for the rest."""
-    if cfg.optimizer == "muon":
-        return sum(nbytes(p) if is_matrix(p) else 2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
-    if cfg.optimizer != "adam":
-        return 0
-    return sum(2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
 
 
 def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, rank: int) -> int:

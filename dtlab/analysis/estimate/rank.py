@@ -1,0 +1,46 @@
+"""One rank's predicted bytes (``RankMemory``) and the counts every memory rule shares.
+
+Apart from ``memory`` so that the rules ``memory.RULES`` gathers (``experts``) import these without
+importing ``memory``, which imports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from dtlab.core.config import RunConfig
+from dtlab.core.muon import is_matrix
+
+__all__ = ["ADAM_STEP_BYTES", "RankMemory", "nbytes", "optimizer_bytes"]
+
+ADAM_STEP_BYTES = 4  # Adam's per-parameter ``step`` is a float32 scalar tensor
+
+
+@dataclass
+class RankMemory:
+    """One rank's predicted bytes by kind, and the reasoning behind them."""
+
+    rank: int
+    memory: dict[str, int]
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.memory.values())
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor]) -> int:
+    """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing;
+    Muon keeps one momentum per 2-D weight and AdamW's moments and step for the rest."""
+    if cfg.optimizer == "muon":
+        return sum(nbytes(p) if is_matrix(p) else 2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
+    if cfg.optimizer != "adam":
+        return 0
+    return sum(2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
