@@ -27,6 +27,7 @@ class AgentPlan:
     max_restarts: int = 0
     network: str = "loopback"  # "loopback", "netns" or "auto" (namespaces where possible)
     link_mbit: float = 0.0  # cap of each simulated host's link (netns only); 0: uncapped
+    link_delay_ms: float = 0.0  # one-way delay per packet on each simulated host's link (netns only)
     scratch_option: str = ""  # a tier option naming a directory; "" in the job: the runner makes a temporary one
 
     @property

@@ -5,7 +5,9 @@ address (10.213.0.1, 10.213.0.2, ...). The interfaces are veth pairs whose
 other ends sit on one bridge in the root namespace, so every node reaches
 every other through its own link. ``tc qdisc ... tbf`` caps each link in both
 directions (the node's upload on its side, its download on the bridge side).
-The kernel here has no netem, so latency is not added: the cost model adds it.
+``delay_ms`` adds a one-way delay per packet: the kernel here has no netem
+(nor fq), so a user-space relay takes the bridge's place and holds every
+frame ``delay_ms`` before passing it on (``dtlab.launch.netdelay``).
 
 Needs root (CAP_NET_ADMIN) and iproute2. Everything is removed on exit, also
 after an error or an interrupt; names carry the creating process id, so a
@@ -22,6 +24,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -158,14 +161,18 @@ class SimulatedHosts:
     """``with SimulatedHosts(2, link_mbit=200) as hosts:`` -> a list of ``Host``.
 
     ``link_mbit=None`` leaves the links uncapped (veth speed, several Gbit/s).
+    ``delay_ms`` (> 0) delays every packet one way by that much (0: no delay).
     """
 
-    def __init__(self, nodes: int, link_mbit: float | None = None) -> None:
+    def __init__(self, nodes: int, link_mbit: float | None = None, delay_ms: float = 0.0) -> None:
         if not isinstance(nodes, int) or not 1 <= nodes <= 250:
             raise ValueError(f"nodes={nodes!r} is invalid: must be an integer from 1 to 250")
         if link_mbit is not None and not link_mbit > 0:
             raise ValueError(f"link_mbit={link_mbit!r} is invalid: must be > 0 Mbit/s (or None: uncapped)")
-        self.nodes, self.link_mbit = nodes, link_mbit
+        if not 0 <= delay_ms <= 1000:
+            raise ValueError(f"delay_ms={delay_ms!r} is invalid: must be from 0 to 1000 ms")
+        self.nodes, self.link_mbit, self.delay_ms = nodes, link_mbit, float(delay_ms)
+        self._relay: subprocess.Popen | None = None
         self.token = secrets.token_hex(3)
         self.bridge = f"dtb{self.token}"
         self.hosts: list[Host] = []
@@ -195,13 +202,27 @@ class SimulatedHosts:
             _ip("netns", "add", netns)
             self.hosts.append(Host(netns, f"{_SUBNET}.{i + 1}", inside))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", netns)
-            _ip("link", "set", outside, "master", self.bridge, "up")
+            if self.delay_ms:  # the relay joins the links instead of the bridge
+                _ip("link", "set", outside, "up")
+            else:
+                _ip("link", "set", outside, "master", self.bridge, "up")
             _ip("-n", netns, "addr", "add", f"{_SUBNET}.{i + 1}/24", "dev", inside)
             _ip("-n", netns, "link", "set", inside, "up")
             _ip("-n", netns, "link", "set", "lo", "up")
             if self.link_mbit is not None:
                 self._cap(netns, inside)
                 self._cap(None, outside)
+        if self.delay_ms:
+            self._start_relay([f"dtv{self.token}{i}" for i in range(self.nodes)])
+
+    def _start_relay(self, outsides: list[str]) -> None:
+        self._relay = subprocess.Popen([sys.executable, "-m", "dtlab.launch.netdelay", "--delay-ms",
+                                        f"{self.delay_ms:g}", *outsides], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+        line = self._relay.stdout.readline() if self._relay.stdout else ""
+        if line.strip() != "ready":
+            err = self._relay.stderr.read() if self._relay.stderr and self._relay.poll() is not None else ""
+            raise NetnsError(f"the delay relay did not start: {err.strip() or line.strip() or 'no output'}")
 
     def _cap(self, netns: str | None, dev: str) -> None:
         tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.link_mbit:g}mbit",
@@ -213,6 +234,10 @@ class SimulatedHosts:
 
     def close(self) -> None:
         """Remove every namespace (killing what still runs inside) and the bridge. Safe to call twice."""
+        if self._relay is not None:
+            self._relay.kill()
+            self._relay.wait()
+            self._relay = None
         for host in self.hosts:
             _delete_namespace(host.netns)
         for i in range(self.nodes):  # also those made before a failure recorded them

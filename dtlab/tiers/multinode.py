@@ -32,6 +32,7 @@ class Options(ddp.Options):
     nnodes: int = 2
     network: str = "auto"
     link_mbit: float = 0.0  # cap of each node's link in Mbit/s (netns only); 0: uncapped
+    link_delay_ms: float = 0.0  # one-way delay of every packet on each link (netns only); 0: none
 
 
 def validate(cfg: RunConfig) -> None:
@@ -46,6 +47,10 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"{name}.network={o.network!r} is invalid: choose one of {', '.join(NETWORKS)}")
     if o.link_mbit < 0:
         raise ValueError(f"{name}.link_mbit={o.link_mbit!r} is invalid: must be >= 0 Mbit/s (0: uncapped)")
+    if not 0 <= o.link_delay_ms <= 1000:
+        raise ValueError(f"{name}.link_delay_ms={o.link_delay_ms!r} is invalid: must be from 0 to 1000 ms")
+    if o.link_delay_ms and o.network == "loopback":
+        raise ValueError(f"{name}.link_delay_ms={o.link_delay_ms:g} needs network='netns' (or 'auto' as root)")
     if o.link_mbit and o.network == "loopback":
         raise ValueError(f"{name}.link_mbit={o.link_mbit:g} needs network='netns' (or 'auto' as root): "
                          f"loopback nodes share one uncapped interface")
@@ -63,7 +68,7 @@ class Strategy(ddp.Strategy):
 def agents(cfg: RunConfig) -> AgentPlan:
     o: Options = cfg.tier_options
     return AgentPlan(nproc_per_node=cfg.world_size // o.nnodes, nodes=o.nnodes, network=o.network,
-                     link_mbit=o.link_mbit)
+                     link_mbit=o.link_mbit, link_delay_ms=o.link_delay_ms)
 
 
 SPEC = TierSpec(name="multinode", summary="DDP on several torchrun agents (nodes), on loopback or simulated hosts",

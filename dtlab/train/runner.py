@@ -119,7 +119,7 @@ def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record:
             cfg_run = cfg
         total = max(plan.nodes, plan.max_nodes)
         if network == "netns":
-            hosts = stack.enter_context(netns.SimulatedHosts(total, plan.link_mbit or None))
+            hosts = stack.enter_context(netns.SimulatedHosts(total, plan.link_mbit or None, plan.link_delay_ms))
             nodes = [Node(h.addr, h.ifname, h.netns) for h in hosts]
         else:
             nodes = [Node() for _ in range(total)]
@@ -135,6 +135,7 @@ def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record:
     for rank in result.ranks:
         rank.strategy["network"] = network
         rank.strategy["link_mbit"] = plan.link_mbit if network == "netns" else 0.0
+        rank.strategy["link_delay_ms"] = plan.link_delay_ms if network == "netns" else 0.0
     return result
 
 

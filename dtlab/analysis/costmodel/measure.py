@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dtlab.analysis import linksweep
+from dtlab.analysis import simlinks
 from dtlab.analysis.costmodel.links import LinkModel, capped, check_world_size
 from dtlab.analysis.costmodel.step import COMPUTE_PHASES, predict_ddp_step, spare_cores
 from dtlab.core.config import shared_threads
@@ -192,13 +192,13 @@ def measure_links(cfg: Any, caps_mbit: Sequence[float], rounds: int = 3, *, nnod
     ``cfg``: a ``ddp`` RunConfig (its world_size is ignored; one rank per node).
     Besides the multinode runs (role ddp, column link_mbit), each round runs
     the same compute and overhead calibration as ``measure``, all on this
-    machine without a network. Needs root (see ``dtlab.analysis.linksweep``).
+    machine without a network. Needs root (see ``dtlab.analysis.simlinks``).
     """
     if cfg.tier != "ddp":
         raise ValueError(f"measure_links needs a ddp RunConfig, got tier {cfg.tier!r}")
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} is invalid: must be an integer >= 1")
-    multinode = linksweep.link_configs(cfg.replace(world_size=nnodes), caps_mbit, ("allreduce",), nnodes=nnodes)
+    multinode = simlinks.link_configs(cfg.replace(world_size=nnodes), caps_mbit, ("allreduce",), nnodes=nnodes)
     plan = [entry for entry in _measure_plan(cfg, (nnodes,), (cfg.tier_options.bucket_cap_mb,))
             if entry[0] != "ddp"]
     plan[1:1] = [("ddp", c, 1) for c in multinode]  # right after the compute they are predicted from
@@ -313,7 +313,7 @@ def validate_links(link: LinkModel, runs: pd.DataFrame, *, cores: int | None = N
         keep = (runs["role"] != "ddp") | (runs["link_mbit"] == mbit)
         n = int(ddp.loc[ddp["link_mbit"] == mbit, "world_size"].iloc[0])
         row = _validation_row(capped(link, float(mbit)), runs[keep], n, cap_mb, gamma, cores)
-        label = f"n={n}, {linksweep.mbit_label(mbit)} simulated hosts" + (" (oversubscribed)" if row["oversubscribed"]
+        label = f"n={n}, {simlinks.mbit_label(mbit)} simulated hosts" + (" (oversubscribed)" if row["oversubscribed"]
                                                                            else "")
         rows.append({**row, "label": label, "link_mbit": float(mbit)})
     return pd.DataFrame(rows)
