@@ -138,16 +138,31 @@ def test_scaled_down_gives_a_valid_job_for_every_kind_of_row():
         assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def _one_row_per_scaled_tier() -> dict[str, dict]:
+    """A planned row for each tier a layout scales down to: Llama 2 7B's and a charformer's layouts, and
+    Mixtral 8x7B's with expert parallelism."""
+    best = P.search(P.LLAMA2_7B, P.H100_SXM, gpus=64, global_batch=1024).best()
+    rows: dict[str, dict] = {"llama2-7b best": dict(best)}
+    searches = ((2, P.from_charformer(64, 2), 32), (16, P.LLAMA2_7B, 32), (64, P.MIXTRAL_8X7B, 1024))
+    for gpus, model, batch in searches:
+        for _, row in P.search(model, P.H100_SXM, gpus=gpus, global_batch=batch).table.iterrows():
+            rows.setdefault(P.scaled_tier(row)[0], dict(row))
+    return rows
+
+
 @pytest.mark.slow
-def test_the_scaled_down_run_is_measured_against_its_estimate(no_survivors):
+def test_the_scaled_down_runs_bytes_equal_the_estimates(no_survivors):
     from dtlab.app.planner import run_scaled
 
-    row = P.search(P.LLAMA2_7B, P.H100_SXM, gpus=64, global_batch=1024).best()
-    done = run_scaled(row, steps=2)
-    assert done.config.world_size == 2 and done.config.tier == P.scaled_tier(row)[0]
-    frame = done.frame
-    assert set(frame["rank"]) == {0, 1} and {"parameters", "optimizer_state", "activations"} <= set(frame["kind"])
-    assert (frame["error"].abs() <= 0.15).all(), frame
+    rows = _one_row_per_scaled_tier()
+    assert {"ddp", "zero", "fsdp", "pipeline", "tp", "fsdp-tp", "ep"} <= set(rows)
+    for name, row in rows.items():
+        done = run_scaled(row, steps=2)
+        assert done.config.tier == P.scaled_tier(row)[0]
+        frame = done.frame
+        assert set(frame["rank"]) == set(range(done.config.world_size)), name
+        assert {"parameters", "optimizer_state", "activations"} <= set(frame["kind"]), name
+        assert (frame["error"] == 0).all(), f"{name}:\n{frame}"  # every rank and kind, to the byte
     assert done.figure().axes[0].get_ylabel().startswith("bytes per rank (")
 
 
