@@ -50,9 +50,9 @@ from dtlab.train import run
 NAME = "diloco_link"
 SLOW, FAST = 200.0, 10_000.0  # Mbit/s
 EVAL_EVERY = 5  # DDP's evaluations, in steps: every DiLoCo synchronisation falls on one
-DDP_LRS = (0.001, 0.003, 0.01)
-INNER_LRS = (0.001, 0.003, 0.01)
-OUTER_LRS = (0.4, 0.7, 1.0)
+DDP_LRS = (0.0003, 0.001, 0.003, 0.01)
+INNER_LRS = (0.0003, 0.001, 0.003, 0.01)
+OUTER_LRS = (0.2, 0.4, 0.7, 1.0)
 DEFAULT_LRS = {"ddp_lr": 0.003, "inner_lr": 0.003, "outer_lr": 0.7}
 BOUND = 0.5
 
@@ -112,7 +112,7 @@ def arithmetic_ratio(v: Variant, numel: int) -> float:
 
 def measure(v: Variant, cfg: RunConfig, curves: dict) -> dict[str, Any]:
     before = common_load()
-    result = run(cfg, progress=False)
+    result = run_once_more(cfg)
     if v.is_ddp:
         curve, gap = judge.ddp_curve(result, range(EVAL_EVERY, cfg.steps + 1, EVAL_EVERY))
     else:
@@ -125,6 +125,15 @@ def measure(v: Variant, cfg: RunConfig, curves: dict) -> dict[str, Any]:
             "step_s": common.steady_step_s(result), "heldout_final": float(curve["heldout_loss"].iloc[-1]),
             "payload_bytes_per_step": payload_per_step(result), "bytes_ratio_arithmetic": arithmetic_ratio(v, numel),
             "replay_gap": gap, "loadavg_before": before, "loadavg_after": common_load()}
+
+
+def run_once_more(cfg: RunConfig) -> Any:
+    """The run; run again once if it failed (a run killed from outside on a shared machine), saying so."""
+    try:
+        return run(cfg, progress=False)
+    except (RuntimeError, OSError) as exc:  # RankError is a RuntimeError
+        common.note(f"{cfg.tier} seed {cfg.seed} failed ({str(exc).splitlines()[0]}): running it again")
+        return run(cfg, progress=False)
 
 
 def common_load() -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import AllgatherOptions  # the options torchft's process groups take
+from torch.distributed.distributed_c10d import AllgatherOptions  # what torchft's process groups take
 
 from dtlab.core.quantise import decode, encode
 from dtlab.instrument.recorder import tagged
