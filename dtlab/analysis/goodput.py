@@ -1,0 +1,166 @@
+"""Goodput over a long run: ``python -m dtlab.analysis.goodput [--quick] [--out DIR] [--seed N]``.
+
+Measures DCP's checkpoint costs, runs ``elastic`` (restart from a DCP snapshot
+every Daly interval), ``ft`` (per-step recovery; both timeout settings in full
+mode) and ``diloco`` with faults at random (``goodput_measure``), fits each
+tier's few costs (``goodput_model``) and writes ``goodput.csv`` (rows of kind
+``checkpoint``, ``point``, ``curve``, ``projection``) and ``goodput.png``.
+A point's prediction uses costs from the tier's *other* runs where there are
+any (full mode); in quick mode, one run per tier, from the run itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dtlab.analysis import goodput_measure as gm
+from dtlab.analysis import goodput_model as model
+from dtlab.core.config import RunConfig
+from dtlab.plots.goodput import goodput_figure
+
+__all__ = ["costs", "curves", "main", "points", "predict_points", "projection"]
+
+MTBF_GRID = np.logspace(-1, 3, 60)  # seconds of training between faults, for the curves
+
+
+def _job(quick: bool) -> dict[str, Any]:
+    return dict(world_size=2, model_size=64 if quick else 256, steps=60 if quick else 300, optimizer="adam",
+                threads_per_rank=1)
+
+
+def _plan(quick: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(tier, options) for each tier and fault-time setting measured."""
+    plan: list[tuple[str, dict[str, Any]]] = [("elastic", {}), ("ft", {"timeouts": "tuned"}),
+                                             ("diloco", {"sync_every": 5 if quick else 10})]
+    return plan if quick else [*plan, ("ft", {"timeouts": "torchft"})]
+
+
+def variant(tier: str, options: str) -> str:
+    return {"elastic": "restart, DCP save", "diloco": "DiLoCo"}.get(tier, "ft") + (
+        f" ({options})" if options and tier != "elastic" else "")
+
+
+def points(quick: bool, seed: int, ckpt: dict[str, float], log: Any = print) -> pd.DataFrame:
+    """Every measured run, one row each, with the realised MTBF (seconds exposed to faults per fault fired)."""
+    job, rows = _job(quick), []
+    means = [20.0] if quick else [40.0, 100.0, 250.0]  # mean steps between faults
+    for i, mean_steps in enumerate(means):
+        for tier, options in _plan(quick):
+            extra = dict(options)
+            guess = ckpt["step_guess_s"]
+            if tier == "elastic":  # the interval is chosen before the run, from the step measured in-process
+                extra["snapshot_every"] = model.interval_steps(
+                    model.Restart(guess, ckpt["save_s"], 0.0), mean_steps * guess)
+            t0 = time.perf_counter()
+            row = gm.measure(tier, job, mean_steps * guess, guess, seed + i, **extra)
+            row.update(kind="point", variant=variant(tier, row["options"]), mean_steps=mean_steps,
+                       mtbf_s=row["exposed_s"] / row["faults"] if row["faults"] else math.inf)
+            log(f"{row['variant']}: {row['faults']} faults, {row['goodput']:.1f} steps/s "
+                f"({time.perf_counter() - t0:.0f} s)")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def costs(runs: pd.DataFrame, ckpt: dict[str, float], exclude: int | None = None) -> dict[str, Any]:
+    """Each variant's model costs: medians over its runs (less row ``exclude`` where another run is left)."""
+    out: dict[str, Any] = {}
+    for name, group in runs.groupby("variant"):
+        if exclude is not None and exclude in group.index and len(group) > 1:
+            group = group.drop(index=exclude)
+        step = float(group["step_s"].median())
+        if name.startswith("restart"):
+            out[name] = model.Restart(step, float(group["save_in_run_s"].median()),
+                                      float(group["restart_s"].median()))
+        else:
+            out[name] = model.PerFault(step, float(group["lost_per_fault_s"].median()))
+    elastic = out.get("restart, DCP save")
+    if elastic is not None:  # async_save in its place: the micro-benchmark's blocking and durable times
+        out["restart, DCP async_save"] = model.Restart(elastic.step_s, ckpt["async_block_s"], elastic.restart_s,
+                                                       ckpt["async_total_s"] - ckpt["async_block_s"])
+    return out
+
+
+def predict_points(runs: pd.DataFrame, ckpt: dict[str, float]) -> pd.Series:
+    """Each run's predicted goodput at its realised MTBF, from the costs of its variant's other runs."""
+    out = []
+    for i, row in runs.iterrows():
+        c = costs(runs, ckpt, exclude=i)[row["variant"]]
+        if row["tier"] == "elastic":  # as run: the tier's own save, at the interval it used
+            c = model.Restart(c.step_s, float(row["save_in_run_s"]), c.restart_s)
+            every = int(row["options"].split("snapshot_every=")[1])
+            out.append(model.restart_goodput(c, row["mtbf_s"], every=every))
+        else:
+            out.append(model.goodput(c, row["mtbf_s"]))
+    return pd.Series(out, index=runs.index)
+
+
+def curves(fitted: dict[str, Any]) -> pd.DataFrame:
+    rows = [{"kind": "curve", "variant": name, "mtbf_s": m, "goodput": model.goodput(c, m),
+             "interval_steps": model.interval_steps(c, m) if isinstance(c, model.Restart) else None}
+            for name, c in fitted.items() for m in MTBF_GRID]
+    return pd.DataFrame(rows)
+
+
+def projection(p: model.Projection = model.LLAMA3) -> pd.DataFrame:
+    """The model at a published cluster's failure rate and assumed costs: fraction of fault-free throughput."""
+    variants = {"restart, sync save": model.Restart(p.step_s, p.save_s, p.restart_s),
+                "restart, async save": model.Restart(p.step_s, p.async_save_s, p.restart_s, p.persist_s),
+                "per-step recovery": model.PerFault(p.step_s, p.ft_lost_s)}
+    gpus = [1024, 2048, 4096, 8192, p.gpus, 32768, 65536, 131072]
+    return pd.DataFrame([{"kind": "projection", "variant": name, "gpus": g, "mtbf_s": m,
+                          "fraction": model.goodput(c, m) * c.step_s}
+                         for name, c in variants.items() for g, m in zip(gpus, p.mtbf_at(gpus))])
+
+
+def _summary(runs: pd.DataFrame, fitted: dict[str, Any], proj: pd.DataFrame, ckpt: dict[str, float]) -> list[str]:
+    lines = [f"DCP (in-process, median): save {ckpt['save_s'] * 1e3:.1f} ms; async_save blocks "
+             f"{ckpt['async_block_s'] * 1e3:.1f} ms, durable after {ckpt['async_total_s'] * 1e3:.1f} ms; "
+             f"load {ckpt['load_s'] * 1e3:.1f} ms"]
+    for _, r in runs.iterrows():
+        lines.append(f"{r['variant']}: MTBF {r['mtbf_s']:.2f} s ({r['faults']} faults), measured "
+                     f"{r['goodput']:.1f} steps/s, predicted {r['predicted']:.1f} ({r['ratio']:.2f})")
+    for name in [n for n in fitted if n.startswith("ft") or n == "DiLoCo"]:
+        m = model.break_even_mtbf(fitted[name], fitted["restart, DCP save"])
+        text = f"{m:.2f} s, {m / fitted[name].step_s:.0f} steps" if m else "none in range"
+        lines.append(f"break-even MTBF, {name} against restart (DCP save): {text}")
+    llama = proj[proj["gpus"] == model.LLAMA3.gpus]
+    lines.append(f"PROJECTION ({model.LLAMA3.source}; costs assumed): MTBF {model.LLAMA3.mtbf_s / 3600:.2f} h at "
+                 f"{model.LLAMA3.gpus} GPUs; " + ", ".join(f"{r.variant} {r.fraction:.3f}" for r in llama.itertuples()))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    p = argparse.ArgumentParser(prog="python -m dtlab.analysis.goodput", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one run per tier, 60 steps of a width-64 MLP (~30 s)")
+    p.add_argument("--out", type=Path, default=Path("results/goodput"))
+    p.add_argument("--seed", type=int, default=0, help="the fault schedules' seed")
+    args = p.parse_args(argv)
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    ckpt = gm.checkpoint_costs(RunConfig(tier="single", **{**_job(args.quick), "world_size": 1}))
+    runs = points(args.quick, args.seed, ckpt)
+    runs["predicted"] = predict_points(runs, ckpt)
+    runs["ratio"] = runs["goodput"] / runs["predicted"]
+    fitted = costs(runs, ckpt)
+    proj = projection()
+    checkpoint = pd.DataFrame([{"kind": "checkpoint", "variant": k, "seconds": v} for k, v in ckpt.items()])
+    frame = pd.concat([checkpoint, runs, curves(fitted), proj], ignore_index=True)
+    frame.attrs["loadavg"] = " ".join(load) + " -> " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out / "goodput.csv", index=False)
+    goodput_figure(frame).savefig(args.out / "goodput.png", dpi=110, bbox_inches="tight")
+    for line in [*_summary(runs, fitted, proj, ckpt), f"load average {frame.attrs['loadavg']}",
+                 f"wrote {args.out / 'goodput.csv'} and goodput.png"]:
+        print(line)
+    return frame
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Goodput (useful steps per wall second) against the mean time between failures: the analytic model.
+
+Three ways to survive a fault, each described by a few measured costs:
+
+- **restart from a checkpoint** (``elastic``): every ``k`` steps the job saves
+  (``save_s``, what the save blocks the training for); a fault stops the world,
+  which restarts and loads the last checkpoint (``restart_s``: detection,
+  restart, rendezvous, load) and computes the steps since it again. With faults
+  a Poisson process of mean ``M`` seconds of training between them, a segment
+  of ``T = k·step_s + save_s`` seconds takes on average
+  ``(M + restart_s)·(exp(T / M) − 1)`` (each failed try costs its partial work
+  and a restart; no fault strikes during a restart). The interval ``k`` comes
+  from Young's ``sqrt(2·save_s·M)`` with Daly's higher-order correction.
+  An asynchronous save blocks only for its staging; the checkpoint becomes
+  durable ``persist_s`` later, which a fault then also loses (added to the
+  restart, a first-order charge).
+- **recover per step** (``ft``) and **synchronise rarely** (``diloco``): a
+  fault costs a fixed ``lost_s`` (the survivors' lost time plus the dead
+  group's missing share of the batch, as time), nothing is rolled back, so
+  ``M`` seconds of training take ``M + lost_s``; their ``step_s`` is slower
+  than ``elastic``'s (a quorum per step; a synchronisation every H steps).
+
+``M`` is the mean *training* time between faults (the clock stops during a
+restart), the way the measured runs inject faults: a Poisson process over the
+steps a run executes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+__all__ = ["LLAMA3", "PerFault", "Projection", "Restart", "break_even_mtbf", "break_even_steps", "daly_interval",
+           "goodput", "interval_steps", "per_fault_goodput", "restart_goodput", "segment_s", "young_interval"]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Restart from a checkpoint: a step, a save's blocking cost, a restart's cost (seconds)."""
+
+    step_s: float
+    save_s: float
+    restart_s: float
+    persist_s: float = 0.0  # async saves: durable this long after the step goes on
+
+
+@dataclass(frozen=True)
+class PerFault:
+    """Recovery without rollback: a step, and the time-equivalent a fault costs (seconds)."""
+
+    step_s: float
+    lost_s: float
+
+
+def young_interval(save_s: float, mtbf_s: float) -> float:
+    """Young (1974): the compute time between checkpoints that minimises the waste, sqrt(2·δ·M)."""
+    _positive(save_s=save_s, mtbf_s=mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def daly_interval(save_s: float, mtbf_s: float) -> float:
+    """Daly (2006), eq. 37: sqrt(2δM)·(1 + sqrt(δ/2M)/3 + (δ/2M)/9) − δ for δ < 2M, else M."""
+    _positive(save_s=save_s, mtbf_s=mtbf_s)
+    if save_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = save_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
+
+
+def interval_steps(c: Restart, mtbf_s: float) -> int:
+    """Daly's interval in whole steps (at least one)."""
+    return max(1, round(daly_interval(max(c.save_s, 1e-12), mtbf_s) / c.step_s))
+
+
+def segment_s(work_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Expected wall time to get ``work_s`` of training plus its save done, faults at rate 1/M."""
+    _positive(mtbf_s=mtbf_s)
+    return (mtbf_s + restart_s) * math.expm1((work_s + save_s) / mtbf_s)
+
+
+def restart_goodput(c: Restart, mtbf_s: float, every: int | None = None) -> float:
+    """Steps per second, checkpointing every ``every`` steps (default: Daly's interval)."""
+    k = every or interval_steps(c, mtbf_s)
+    if math.isinf(mtbf_s):
+        return k / (k * c.step_s + c.save_s)
+    return k / segment_s(k * c.step_s, c.save_s, c.restart_s + c.persist_s, mtbf_s)
+
+
+def per_fault_goodput(c: PerFault, mtbf_s: float) -> float:
+    """Steps per second when each fault costs ``lost_s`` and nothing is rolled back."""
+    _positive(mtbf_s=mtbf_s)
+    return 1.0 / (c.step_s * (1.0 + c.lost_s / mtbf_s))
+
+
+def goodput(c: Restart | PerFault, mtbf_s: float) -> float:
+    """Either model, by the costs' kind."""
+    return restart_goodput(c, mtbf_s) if isinstance(c, Restart) else per_fault_goodput(c, mtbf_s)
+
+
+def break_even_steps(extra_step_s: float, saved_per_fault_s: float) -> float:
+    """First order: per-step recovery pays off when faults come more often than every N steps, N = saved / extra."""
+    _positive(extra_step_s=extra_step_s)
+    return max(0.0, saved_per_fault_s) / extra_step_s
+
+
+def break_even_mtbf(a: Restart | PerFault, b: Restart | PerFault, low: float = 1e-3,
+                    high: float = 1e9) -> float | None:
+    """The MTBF (s) where ``a`` and ``b`` have equal goodput (bisection on log M); None if they do not cross."""
+    diff: Callable[[float], float] = lambda m: goodput(a, m) - goodput(b, m)  # noqa: E731
+    lo, hi = math.log(low), math.log(high)
+    if diff(math.exp(lo)) * diff(math.exp(hi)) > 0:
+        return None
+    for _ in range(100):
+        mid = (lo + hi) / 2.0
+        if diff(math.exp(lo)) * diff(math.exp(mid)) <= 0:
+            hi = mid
+        else:
+            lo = mid
+    return math.exp((lo + hi) / 2.0)
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} is invalid: must be > 0 seconds")
+
+
+# -- the published cluster -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Projection:
+    """A published run's failure rate, and the costs the projection assumes (not measured here)."""
+
+    source: str
+    gpus: int
+    days: float
+    unexpected: int
+    interruptions: int
+    step_s: float  # assumed: see ASSUMED below
+    save_s: float
+    async_save_s: float
+    persist_s: float
+    restart_s: float
+    ft_lost_s: float
+
+    @property
+    def mtbf_s(self) -> float:
+        """Mean time between unexpected interruptions for the whole job."""
+        return self.days * 86400.0 / self.unexpected
+
+    def mtbf_at(self, gpus: Iterable[int]) -> list[float]:
+        """The job's MTBF at other sizes, failures independent per GPU: M · published GPUs / GPUs."""
+        return [self.mtbf_s * self.gpus / g for g in gpus]
+
+
+# Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4 (Reliability and Operational Challenges):
+# 466 job interruptions (419 unexpected) in a 54-day snapshot of pre-training on 16,384 H100 GPUs.
+# The costs are ASSUMED, round figures of the right order, for the projection only: a step of 6 s
+# (6·405e9 parameters·16M tokens / (16,384 GPUs · 400 TFLOP/s)), a synchronous save blocking 60 s
+# and an asynchronous one 5 s (durable 60 s later), a restart of 10 minutes (detect, reschedule,
+# rendezvous, load); per-step recovery losing 30 s per fault (detection, the redone step, and the lost
+# group's share while it rejoins).
+LLAMA3 = Projection(source="Dubey et al. 2024, The Llama 3 Herd of Models, section 3.3.4", gpus=16384, days=54.0,
+                    unexpected=419, interruptions=466, step_s=6.0, save_s=60.0, async_save_s=5.0, persist_s=60.0,
+                    restart_s=600.0, ft_lost_s=30.0)
