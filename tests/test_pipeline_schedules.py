@@ -3,6 +3,7 @@ diagram, and the bubble formulas it must reproduce."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from dtlab import plots
@@ -68,4 +69,85 @@ def test_equal_times_diagram(tmp_path):
     assert any(bar.get_hatch() for bar in fig.axes[0].patches)  # each rank's second stage
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels[:3] == ["forward", "backward_input", "backward_weight"]
-    assert plots.save(fig, tmp_path / "zbv.png").stat().st_size > 5_000
+    # the bars are the layout: one per action, at its start, as long as it takes, in time units
+    ax = fig.axes[0]
+    assert [bar.get_x() for bar in ax.patches] == pytest.approx(frame["start"].tolist())
+    assert [bar.get_width() for bar in ax.patches] == pytest.approx((frame["end"] - frame["start"]).tolist())
+    assert ax.get_xlabel() == "time (units: one forward = 1)"
+    assert plots.save(fig, tmp_path / "zbv.png").exists()
+
+
+# -- the layout against torch's own schedule tables -----------------------------------------
+def _torch_table(schedule, world, microbatches):
+    """torch's own per-rank time table for a zero-bubble schedule (``pipeline_order``: one action or None,
+    an idle slot, per unit of time), built from stage stand-ins: no processes."""
+    from types import SimpleNamespace
+
+    from dtlab.tiers.pipeline_stages import MULTI_STAGE
+
+    held = placement(schedule, world, 2)
+    total = sum(len(h) for h in held)
+
+    def stand_in(i):
+        return SimpleNamespace(group_size=world, group_rank=0, num_stages=total, stage_index=i, submod=None,
+                               is_first=i == 0, is_last=i == total - 1)
+    return MULTI_STAGE[schedule]([stand_in(i) for i in held[0]], n_microbatches=microbatches).pipeline_order
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "zero-bubble"])
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_zero_bubble_layout_matches_torchs_own_time_table(schedule, p, m):
+    """dtlab's zero-bubble bubble comes from its own simulator; torch's schedule classes lay the same
+    actions out on a time grid of their own (F, I and W one slot each, None where the rank waits). The
+    idle share per rank must agree, and no action may start later in dtlab's as-soon-as-ready layout."""
+    table = _torch_table(schedule, p, m)
+    span = max(len(slots) for slots in table.values())
+    torch_idle = {r: 1 - sum(a is not None for a in slots) / span for r, slots in table.items()}
+    torch_start = {(a.stage_index, a.computation_type.value, a.microbatch_index): t
+                   for slots in table.values() for t, a in enumerate(slots) if a is not None}
+    frame = pipeline_runs.simulate(schedule, p, m, 2)
+    kind = {"forward": "F", "backward_input": "I", "backward_weight": "W"}
+    ours = {(r.stage, kind[r.phase], r.microbatch): r.start for r in frame.itertuples()}
+    assert ours.keys() == torch_start.keys()
+    assert pipeline_runs._idle(frame).to_dict() == pytest.approx(torch_idle, abs=1e-12)
+    assert pipeline_runs.simulated_bubble(schedule, p, m) == pytest.approx(sum(torch_idle.values()) / p)
+    assert all(ours[k] <= torch_start[k] for k in ours)
+    if schedule == "zbv":  # ZB-V's table is already as tight as it goes: every start the same
+        assert ours == {k: float(t) for k, t in torch_start.items()}
+
+
+# -- the measured bubble, on a timeline with a known answer ---------------------------------
+def _timeline():
+    """Two ranks, one step over [10, 14] s: each rank computes 2 s of it. Rank 0 has a send (10.9-11.5)
+    and a receive (11.2-12.5) in flight, overlapping each other and its compute from 12: 1.6 s in flight,
+    1 s of it idle. Rank 1 posts nothing. Set-up transfers and another step's are left out."""
+    from types import SimpleNamespace
+
+    from dtlab.tiers.pipeline import SETUP_TAG
+
+    phases = pd.DataFrame([
+        {"rank": 0, "step": 1, "phase": "pp_forward:0", "start": 10.0, "end": 11.0},
+        {"rank": 0, "step": 1, "phase": "pp_backward:0", "start": 12.0, "end": 13.0},
+        {"rank": 1, "step": 1, "phase": "pp_forward:0", "start": 11.0, "end": 12.0},
+        {"rank": 1, "step": 1, "phase": "pp_backward:0", "start": 13.0, "end": 14.0},
+        {"rank": 0, "step": 1, "phase": "optimizer", "start": 14.0, "end": 15.0},  # not a pipeline action
+    ])
+    events = pd.DataFrame([
+        {"rank": 0, "step": 1, "op": "isend", "tag": "", "start": 10.9, "end": 11.5},
+        {"rank": 0, "step": 1, "op": "irecv", "tag": "", "start": 11.2, "end": 12.5},
+        {"rank": 0, "step": 1, "op": "all_reduce", "tag": "", "start": 13.0, "end": 14.0},  # not a transfer
+        {"rank": 1, "step": 0, "op": "isend", "tag": SETUP_TAG, "start": 0.0, "end": 20.0},
+        {"rank": 1, "step": 2, "op": "irecv", "tag": "", "start": 13.5, "end": 14.0},
+    ])
+    return SimpleNamespace(phases_frame=lambda: phases, events_frame=lambda: events)
+
+
+def test_bubble_frame_on_a_known_timeline():
+    b = pipeline_runs.bubble_frame(_timeline()).set_index("rank")
+    assert b["span_s"].tolist() == pytest.approx([4.0, 4.0])
+    assert b["busy_s"].tolist() == pytest.approx([2.0, 2.0])
+    assert b["idle_fraction"].tolist() == pytest.approx([0.5, 0.5])
+    assert b["transfer_s"].tolist() == pytest.approx([1.6, 0.0])  # 10.9-12.5, overlaps counted once
+    assert b["idle_in_transfer_s"].tolist() == pytest.approx([1.0, 0.0])  # 11-12 idle and in flight
+    # the run's summary: in flight 0.4 and 0 of the span (mean 0.2); idle in flight 0.5 and 0 (mean 0.25)
+    assert pipeline_runs.transfer_share(_timeline()) == pytest.approx((0.2, 0.25))

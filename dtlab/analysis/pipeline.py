@@ -164,15 +164,62 @@ def schedule_figure(result: Any, step: int | None = None, p2p: bool = False, tit
 
 
 def bubble_frame(result: Any) -> pd.DataFrame:
-    """Per step and rank: busy seconds (its forwards and backwards), the step's pipeline
-    span (first stage's first start to the last end on any stage) and the idle fraction."""
+    """Per step and rank: busy seconds (its forwards and backwards), the step's pipeline span (first stage's
+    first start to the last end on any stage), the idle fraction, and what the recorded transfers explain of
+    the idle time: ``transfer_s`` (the time the rank had a send or receive in flight, overlaps counted once)
+    and ``idle_in_transfer_s`` (idle time with a transfer in flight; the rest of the idle time the rank had
+    nothing posted, so the schedule or a slower peer kept it waiting)."""
     compute = _compute_rows(result)
     busy = (compute["end"] - compute["start"]).groupby([compute["step"], compute["rank"]]).sum()
     window = compute.groupby("step").agg(first=("start", "min"), last=("end", "max"))
     out = busy.rename("busy_s").reset_index().merge(window, on="step")
+    transfers = _transfer_rows(result)
+    moved, idle_moved = [], []
+    for row in out.itertuples():
+        bars = compute[(compute["step"] == row.step) & (compute["rank"] == row.rank)]
+        sent = transfers[(transfers["step"] == row.step) & (transfers["rank"] == row.rank)]
+        inflight = _union(zip(sent["start"].clip(row.first, row.last), sent["end"].clip(row.first, row.last)))
+        idle = _gaps(_union(zip(bars["start"], bars["end"])), row.first, row.last)
+        moved.append(sum(b - a for a, b in inflight))
+        idle_moved.append(_overlap(idle, inflight))
     out["span_s"] = out.pop("last") - out.pop("first")
     out["idle_fraction"] = 1 - out["busy_s"] / out["span_s"]
+    out["transfer_s"], out["idle_in_transfer_s"] = moved, idle_moved
     return out
+
+
+def _transfer_rows(result: Any) -> pd.DataFrame:
+    """The run's recorded point-to-point transfers inside its steps (set-up and the final gather left out)."""
+    ev = result.events_frame()
+    if ev.empty:
+        return pd.DataFrame(columns=["rank", "step", "start", "end"])
+    return ev[ev["op"].isin(P2P_OPS) & ~ev["tag"].isin([SETUP_TAG, GATHER_TAG])]
+
+
+def _union(intervals: Any) -> list[tuple[float, float]]:
+    """Sorted, merged intervals (empty ones dropped)."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((float(a), float(b)) for a, b in intervals if b > a):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _gaps(merged: list[tuple[float, float]], first: float, last: float) -> list[tuple[float, float]]:
+    """The parts of [first, last] that ``merged`` leaves uncovered."""
+    gaps, at = [], first
+    for a, b in merged:
+        if a > at:
+            gaps.append((at, min(a, last)))
+        at = max(at, b)
+    return gaps + ([(at, last)] if last > at else [])
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    return sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in a for y0, y1 in b)
 
 
 def measured_idle(result: Any) -> float:
@@ -181,9 +228,22 @@ def measured_idle(result: Any) -> float:
     return float(b[b["step"] > 0].groupby("rank")["idle_fraction"].median().mean())
 
 
+def transfer_share(result: Any) -> tuple[float, float]:
+    """The run's recorded transfers against its idle time, over the steps after the first (medians over steps,
+    means over ranks): the time a transfer was in flight as a share of the step's span, and the share of the
+    idle time that had a transfer in flight (1: every idle moment waited on a posted send or receive)."""
+    b = bubble_frame(result)
+    b = b[b["step"] > 0]
+    idle_s = b["span_s"] - b["busy_s"]
+    in_flight = (b["transfer_s"] / b["span_s"]).groupby(b["rank"]).median().mean()
+    explained = (b["idle_in_transfer_s"] / idle_s.where(idle_s > 0)).groupby(b["rank"]).median().mean()
+    return float(in_flight), float(explained)
+
+
 def bubble_table(results: Mapping[str, Any]) -> pd.DataFrame:
     """Per run: its schedule, ranks p, stages per rank v, micro-batches M, the measured idle share, the formula's
-    (NaN where none) and the simulated one (its own action order, equal stages, free transfers)."""
+    (NaN where none) and the simulated one (its own action order, equal stages, free transfers); then
+    ``transfer_share`` of the step and ``idle_in_transfer`` (``transfer_share``'s two values)."""
     rows = []
     for label, r in results.items():
         o, p = r.config.tier_options, r.config.world_size
@@ -193,5 +253,6 @@ def bubble_table(results: Mapping[str, Any]) -> pd.DataFrame:
         except ValueError:
             formula = float("nan")
         rows.append({"run": label, "schedule": o.schedule, "p": p, "v": v, "M": m, "measured": measured_idle(r),
-                     "formula": formula, "simulated": simulated_bubble(o.schedule, p, m, v)})
+                     "formula": formula, "simulated": simulated_bubble(o.schedule, p, m, v),
+                     **dict(zip(("transfer_share", "idle_in_transfer"), transfer_share(r)))})
     return pd.DataFrame(rows)

@@ -4,7 +4,9 @@ the step time, and activation memory measured against predicted.
     python -m dtlab.analysis.pipeline_schedules [--rounds 3] [--microbatches 4] [--quick]
 
 The job is notebook 10's compute-bound mlp (width 1024, 8 layers, batch 512) on 2 ranks, each with half
-the cores. Rounds run the schedules one after another, then again: a shared machine's swings hit them all.
+the cores. Rounds run the schedules one after another, then again in reverse order: a shared machine's swings
+hit them all. Beside each idle share, the recorded transfers: the share of the step a send or receive was in
+flight, and the share of the idle time that had one in flight. The load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from dtlab.analysis.estimate import compare, estimate
-from dtlab.analysis.pipeline import bubble_table, measured_idle
+from dtlab.analysis.pipeline import bubble_table, measured_idle, transfer_share
 from dtlab.core.config import RunConfig
 from dtlab.tiers.pipeline import Options
 from dtlab.train import run
@@ -36,10 +38,10 @@ def job(steps: int = 14) -> RunConfig:
 
 def run_schedules(cfg: RunConfig, schedules: Sequence[str] = COMPARED, microbatches: int = 4,
                   rounds: int = 1) -> dict[str, list[Any]]:
-    """Each schedule's runs of ``cfg`` with ``microbatches``, interleaved round by round."""
+    """Each schedule's runs of ``cfg`` with ``microbatches``, interleaved round by round (odd rounds reversed)."""
     out: dict[str, list[Any]] = {s: [] for s in schedules}
-    for _ in range(rounds):
-        for s in schedules:
+    for r in range(rounds):
+        for s in (schedules if r % 2 == 0 else schedules[::-1]):
             out[s].append(run(cfg.replace(tier_options=Options(s, microbatches)), progress=False))
     return out
 
@@ -51,6 +53,9 @@ def schedule_table(runs: Mapping[str, list[Any]]) -> pd.DataFrame:
     for schedule, results in runs.items():
         bubble = bubble_table({schedule: results[0]}).iloc[0].to_dict()
         bubble["measured"] = statistics.median(measured_idle(r) for r in results)
+        shares = [transfer_share(r) for r in results]
+        bubble["transfer_share"] = statistics.median(t for t, _ in shares)
+        bubble["idle_in_transfer"] = statistics.median(i for _, i in shares)
         table = compare(estimate(results[0].config), results[0])
         acts = table[table["kind"] == "activations"]
         measured, predicted = int(acts["measured"].max()), int(acts["predicted"].max())
@@ -69,11 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="one round of 4 steps (also DTLAB_QUICK=1)")
     args = parser.parse_args(argv)
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
+    before = _loadavg()
     table = schedule_table(run_schedules(job(steps), microbatches=args.microbatches, rounds=rounds))
-    print(f"2 ranks, M = {args.microbatches}, {steps} steps x {rounds} round(s); idle shares: measured (median "
-          "over steps after the first, mean over ranks, median over rounds), formula, simulated (equal times)")
+    print(f"2 ranks, M = {args.microbatches}, {steps} steps x {rounds} round(s); load average before {before}, "
+          f"after {_loadavg()}; idle shares: measured (median over steps after the first, mean over ranks, median "
+          "over rounds), formula, simulated (equal times); transfer_share: a send or receive in flight, share of "
+          "the step; idle_in_transfer: share of the idle time with one in flight")
     print(table.round(3).to_string(index=False))
     return 0
+
+
+def _loadavg() -> str:
+    path = "/proc/loadavg"
+    return " ".join(open(path).read().split()[:3]) if os.path.exists(path) else "unknown"
 
 
 if __name__ == "__main__":
