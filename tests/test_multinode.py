@@ -109,6 +109,57 @@ def test_bad_multinode_options_fail_before_start():
         _cfg(network="loopback", link_mbit=100)
     with pytest.raises(ValueError, match="nodes=0"):
         netns.SimulatedHosts(0)
+    with pytest.raises(ValueError, match="link_delay_ms=2 needs network='netns'"):
+        _cfg(network="loopback", link_delay_ms=2)
+    with pytest.raises(ValueError, match="link_delay_ms=-1"):
+        _cfg(link_delay_ms=-1)
+    with pytest.raises(ValueError, match="delay_ms=-1"):
+        netns.SimulatedHosts(2, delay_ms=-1)
+    # the delay reaches the hosts' plan
+    assert multinode.agents(_cfg(network="netns", link_mbit=200, link_delay_ms=2)).link_delay_ms == 2
+
+
+PING = """
+import socket, statistics, sys, time
+peer, port, role = sys.argv[1], 5599, sys.argv[2]
+if role == "server":
+    s = socket.create_server((peer, port)); c, _ = s.accept()
+    while (d := c.recv(1)):
+        c.sendall(d)
+else:
+    for _ in range(50):
+        try:
+            c = socket.create_connection((peer, port)); break
+        except OSError:
+            time.sleep(0.1)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(6):
+        t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
+    print(statistics.median(rtts[1:]))
+"""
+
+
+def test_delayed_link_holds_every_message_its_delay_each_way():
+    """No netem here: the relay that joins the hosts holds each frame 5 ms, so a round trip takes >= 10 ms."""
+    _namespaces_required()
+    import subprocess
+    import sys
+
+    with netns.SimulatedHosts(2, link_mbit=1000, delay_ms=5) as hosts:
+        server = subprocess.Popen(netns.SimulatedHosts.command(hosts[1], [sys.executable, "-c", PING,
+                                                                          hosts[1].addr, "server"]))
+        try:
+            out = subprocess.run(netns.SimulatedHosts.command(hosts[0], [sys.executable, "-c", PING, hosts[1].addr,
+                                                                         "client"]),
+                                 capture_output=True, text=True, timeout=60, check=True)
+        finally:
+            server.kill()
+            server.wait()
+        during = netns.leftovers()
+    rtt = float(out.stdout)
+    assert 0.010 <= rtt < 0.030, rtt
+    assert len(during) == 2 and netns.leftovers() == []  # two namespaces, no bridge; all gone after
 
 
 def test_link_sweep_shows_compression_recovering_a_slow_link():

@@ -95,6 +95,16 @@ def test_p2p_transfers_per_step(schedule, microbatches, stages):
                       "send act": half, "recv act": half, "send grad": half, "recv grad": half}
 
 
+def _assert_bars_are_the_frame(fig, frame):
+    """One bar per row of the schedule frame, at its start and as long as it lasted, in ms since the first."""
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "time since first shown start (ms)" and len(ax.patches) == len(frame)
+    t0 = frame["start"].min()
+    assert sorted(b.get_x() for b in ax.patches) == pytest.approx(sorted((frame["start"] - t0) * 1e3))
+    longest = (frame["end"] - frame["start"]).max() * 1e3
+    assert max(b.get_width() for b in ax.patches) == pytest.approx(longest)
+
+
 def test_schedule_diagram_and_bubble(tmp_path):
     from dtlab import plots
 
@@ -107,9 +117,13 @@ def test_schedule_diagram_and_bubble(tmp_path):
     assert list(last["microbatch"]) == [0, 0, 1, 1, 2, 2, 3, 3]
     fig = pipeline_runs.schedule_figure(result, p2p=True)
     assert [t.get_text() for t in fig.axes[0].texts].count("3") == 4
-    assert plots.save(fig, tmp_path / "schedule.png").stat().st_size > 5_000
+    _assert_bars_are_the_frame(fig, pipeline_runs.schedule_frame(result, p2p=True))
+    assert plots.save(fig, tmp_path / "schedule.png").exists()
     bubble = pipeline_runs.bubble_frame(result)
     assert len(bubble) == 4 * 2 and bubble["idle_fraction"].between(0, 1).all()
+    # every rank sends and receives in every step; the idle time in flight is part of the idle time
+    assert (bubble["transfer_s"] > 0).all()
+    assert (bubble["idle_in_transfer_s"] <= bubble["span_s"] - bubble["busy_s"] + 1e-9).all()
     assert pipeline_runs.ideal_bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
     assert pipeline_runs.ideal_bubble("naive", 4, 8) == pytest.approx(3 / 4)
     # the result's own files still work with the extra phases and the stage-shaped strategy facts
@@ -168,7 +182,8 @@ def test_multi_stage_transfers_and_diagram(schedule, hops, tmp_path):
     fig = pipeline_runs.schedule_figure(result, p2p=True)
     per_rank = 3 if schedule == "zbv" else 2  # micro-batch 3's F and B (zbv: F, I and W) on each of 2 stages
     assert [t.get_text() for t in fig.axes[0].texts].count("3") == 2 * 2 * per_rank
-    assert plots.save(fig, tmp_path / "schedule.png").stat().st_size > 5_000
+    _assert_bars_are_the_frame(fig, pipeline_runs.schedule_frame(result, p2p=True))
+    assert plots.save(fig, tmp_path / "schedule.png").exists()
     table = pipeline_runs.bubble_table({schedule: result})
     assert table["measured"].between(0, 1).all() and table["simulated"].iloc[0] < pipeline_runs.ideal_bubble(
         "1f1b", 2, 4)

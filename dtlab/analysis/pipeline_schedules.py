@@ -1,7 +1,7 @@
 """Every pipeline schedule on one job: the measured bubble against its formula and its equal-times layout,
 the step time, and activation memory measured against predicted.
 
-    python -m dtlab.analysis.pipeline_schedules [--rounds 3] [--microbatches 4] [--quick]
+    python -m dtlab.analysis.pipeline_schedules [--rounds 3] [--microbatches 4] [--quick] [--csv FILE]
 
 The job is notebook 10's compute-bound mlp (width 1024, 8 layers, batch 512) on 2 ranks, each with half
 the cores. Rounds run the schedules one after another, then again in reverse order: a shared machine's swings
@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table (and the load averages) here")
     parser.add_argument("--quick", action="store_true", default=os.environ.get("DTLAB_QUICK") == "1",
                         help="one round of 4 steps (also DTLAB_QUICK=1)")
     args = parser.parse_args(argv)
@@ -81,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
           "over rounds), formula, simulated (equal times); transfer_share: a send or receive in flight, share of "
           "the step; idle_in_transfer: share of the idle time with one in flight")
     print(table.round(3).to_string(index=False))
+    if args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        table.assign(rounds=rounds, steps=steps, load_before=before, load_after=_loadavg()).to_csv(args.csv,
+                                                                                                   index=False)
+        print(f"wrote {args.csv}")
     return 0
 
 

@@ -17,6 +17,7 @@ It exits when a link disappears (the hosts were removed) or on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import errno
 import queue
 import socket
 import sys
@@ -58,7 +59,11 @@ def _deliver(socks: list[socket.socket], held: queue.SimpleQueue, macs: dict[byt
         dest = macs.get(frame[0:6])
         for i in ([dest] if dest is not None and dest != port else range(len(socks))):
             if i != port:
-                socks[i].send(data)
+                try:
+                    socks[i].send(data)
+                except OSError as exc:  # the link's queue is full: the frame is dropped, as a router would
+                    if exc.errno not in (errno.ENOBUFS, errno.EAGAIN):
+                        raise
 
 
 def relay(ifnames: list[str], delay_ms: float) -> None:
@@ -70,7 +75,8 @@ def relay(ifnames: list[str], delay_ms: float) -> None:
     def guard(fn: object, *args: object) -> None:
         try:
             fn(*args)  # type: ignore[operator]
-        except OSError:
+        except OSError as exc:  # a link is gone (the hosts were removed), or it cannot send: stop, and say why
+            print(f"netdelay: {exc}", file=sys.stderr, flush=True)
             failed.set()
 
     for port, sock in enumerate(socks):

@@ -194,15 +194,16 @@ class SimulatedHosts:
         self.close()
 
     def _create(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("link", "set", self.bridge, "up")
+        if not self.delay_ms:  # with a delay, the relay joins the links instead
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
         for i in range(self.nodes):
             netns = f"{PREFIX}{os.getpid()}-{self.token}-{i}"
             outside, inside = f"dtv{self.token}{i}", f"dtn{self.token}{i}"
             _ip("netns", "add", netns)
             self.hosts.append(Host(netns, f"{_SUBNET}.{i + 1}", inside))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", netns)
-            if self.delay_ms:  # the relay joins the links instead of the bridge
+            if self.delay_ms:
                 _ip("link", "set", outside, "up")
             else:
                 _ip("link", "set", outside, "master", self.bridge, "up")
