@@ -82,16 +82,17 @@ def variants(quick: bool) -> list[Variant]:
     return slow + [Variant("ddp@10000", FAST), Variant("diloco_h20@10000", FAST, 20)]
 
 
-def config(v: Variant, quick: bool, seed: int, lrs: Mapping[str, float]) -> RunConfig:
+def config(v: Variant, quick: bool, seed: int, lrs: Mapping[str, Any]) -> RunConfig:
     job = dict(world_size=2, model="mlp", model_size=256 if quick else 512, model_depth=2, dataset="synthetic",
                dataset_size=4096, global_batch_size=64, optimizer="adam", threads_per_rank=1, seed=seed,
                steps=20 if quick else 100)
     if v.is_ddp:
         return RunConfig(tier="multinode", **job, lr=lrs["ddp_lr"],
                          tier_options=multinode.Options(nnodes=2, network="netns", link_mbit=v.mbit))
+    outer = lrs.get("outer_by_h", {}).get(v.h, lrs["outer_lr"])  # H = 20's for streaming and quantised runs
     return RunConfig(tier="diloco", **job, lr=lrs["inner_lr"], tier_options=diloco.Options(
-        sync_every=v.h, fragments=v.fragments, outer_lr=lrs["outer_lr"], outer_comm_dtype=v.dtype,
-        evaluate_syncs=True, network="netns", link_mbit=v.mbit))
+        sync_every=v.h, fragments=v.fragments, outer_lr=outer, outer_comm_dtype=v.dtype, evaluate_syncs=True,
+        network="netns", link_mbit=v.mbit))
 
 
 def payload_per_step(result: Any) -> float:
@@ -169,32 +170,39 @@ def best_h(rows: list[dict[str, Any]]) -> str:
     return min(sorted(score), key=score.get)
 
 
-def read_lrs(out: Path) -> tuple[dict[str, float], str]:
+def read_lrs(out: Path) -> tuple[dict[str, Any], str]:
+    """The sweep's choices: DDP's lr, DiLoCo's inner lr (at H = 20) and its outer lr per H (H = 20's for the
+    streaming and quantised runs)."""
     path = out / f"{NAME}_sweep.csv"
     if not path.exists():
         return dict(DEFAULT_LRS), f"untuned defaults (no {path}: run --sweep first)"
     chosen = pd.read_csv(path).query("chosen")
-    ddp, dl = chosen[chosen["h"] == 0].iloc[0], chosen[chosen["h"] > 0].iloc[0]
-    return ({"ddp_lr": float(ddp["lr"]), "inner_lr": float(dl["lr"]), "outer_lr": float(dl["outer_lr"])},
-            f"tuned at 10 Gbit/s, seed 0 ({path})")
+    ddp, h20 = chosen[chosen["h"] == 0].iloc[0], chosen[chosen["h"] == 20].iloc[0]
+    outer = {int(r["h"]): float(r["outer_lr"]) for _, r in chosen[chosen["h"] > 0].iterrows()}
+    return ({"ddp_lr": float(ddp["lr"]), "inner_lr": float(h20["lr"]), "outer_lr": float(h20["outer_lr"]),
+             "outer_by_h": outer}, f"tuned at 10 Gbit/s, seed 0 ({path})")
+
+
+def _sweep_runs(args: Any, v: Variant, grid: list[dict[str, float]]) -> list[dict[str, Any]]:
+    rows = [{"variant": v.name, **measure(v, config(v, args.quick, 0, {**DEFAULT_LRS, **lrs}), {})} for lrs in grid]
+    best = min(rows, key=lambda r: r["heldout_final"])
+    for r in rows:
+        r["chosen"] = r is best
+    common.note(f"chosen: {v.name} lr={best['lr']} outer_lr={best['outer_lr']} held-out {best['heldout_final']:.4f}")
+    return rows
 
 
 def sweep(args: Any) -> None:
-    """Seed 0 at 10 Gbit/s: DDP's lr, then DiLoCo H = 20's inner and outer lr; the lowest final held-out loss."""
-    curves: dict = {}
-    rows = [{"variant": "ddp@10000", **measure(Variant("ddp@10000", FAST), config(
-        Variant("ddp@10000", FAST), args.quick, 0, {**DEFAULT_LRS, "ddp_lr": lr}), curves)} for lr in DDP_LRS]
-    dl = Variant("diloco_h20@10000", FAST, 20)
-    rows += [{"variant": dl.name, **measure(dl, config(dl, args.quick, 0, {**DEFAULT_LRS, "inner_lr": lr,
-                                                                          "outer_lr": outer}), curves)}
-             for lr in INNER_LRS for outer in OUTER_LRS]
-    for is_ddp in (True, False):
-        mine = [r for r in rows if (r["h"] == 0) == is_ddp]
-        best = min(mine, key=lambda r: r["heldout_final"])
-        for r in mine:
-            r["chosen"] = r is best
-        common.note(f"chosen: {best['variant']} lr={best['lr']} outer_lr={best['outer_lr']} "
-                    f"held-out {best['heldout_final']:.4f}")
+    """Seed 0 at 10 Gbit/s, the lowest final held-out loss: DDP's lr; DiLoCo H = 20's inner and outer lr; then
+    the outer lr of H = 5 and H = 50 at H = 20's inner lr."""
+    rows = _sweep_runs(args, Variant("ddp@10000", FAST), [{"ddp_lr": lr} for lr in DDP_LRS])
+    h20 = _sweep_runs(args, Variant("diloco_h20@10000", FAST, 20),
+                      [{"inner_lr": lr, "outer_lr": outer} for lr in INNER_LRS for outer in OUTER_LRS])
+    inner = next(r["lr"] for r in h20 if r["chosen"])
+    rows += h20
+    for h in (5, 50):
+        rows += _sweep_runs(args, Variant(f"diloco_h{h}@10000", FAST, h),
+                            [{"inner_lr": inner, "outer_lr": outer} for outer in OUTER_LRS])
     common.write_csv(args.out / f"{NAME}_sweep.csv", rows)
 
 
@@ -202,9 +210,11 @@ def figure(curves: Mapping[tuple[int, str], pd.DataFrame], out: Path) -> None:
     shown = {name: c.assign(loss=c["heldout_loss"]) for (seed, name), c in curves.items()
              if seed == min(s for s, _ in curves) and name.endswith("@200")}
     fig = plots.loss_vs_time(shown)
+    target = float(shown["ddp@200"]["heldout_loss"].iloc[-1])  # what DDP holds after its N steps: the target
     for ax in fig.axes[:2]:
-        ax.set_title(ax.get_title().replace("loss", "held-out loss").replace("steps", "samples / 64"))
-    fig.axes[0].set_ylabel("held-out loss (model kept)")
+        ax.set_title(ax.get_title().replace("loss", "held-out loss"))
+        ax.axhline(target, color="0.4", lw=0.8, ls=":")
+    fig.axes[0].set(ylabel="held-out loss (model kept)", xlabel="step (64 samples each, every run)")
     plots.save(fig, out / f"{NAME}.png")
 
 
