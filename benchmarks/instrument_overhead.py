@@ -216,9 +216,10 @@ def main() -> None:
     detail = ("worst of: " + ", ".join(f"{k} {common.ratio_text(v)}" for k, v in parts.items())
               + f"; {worst_key}: {common.resolution(parts[worst_key], TARGET)}")
     common.result_line(NAME, worst, f"<= {TARGET}", quick=args.quick, detail=detail, passed=worst <= TARGET)
-    tp = measure_tp(args.quick, common.repeats(args, full=8, quick=1))
+    tp = measure_tp(args.quick, common.repeats(args, full=12, quick=1))
     common.result_line(f"{NAME}.tp", common.median(tp), "none: the modules channel's cost", quick=args.quick,
-                       detail=f"tp training, charformer, world 2: instrumented / plain per round {common.spread(tp)}")
+                       detail=f"tp training, charformer, world 2: instrumented / plain {common.ratio_text(tp)}; "
+                              f"against no cost: {common.resolution(tp, 1.0)}")
 
 
 if __name__ == "__main__":
