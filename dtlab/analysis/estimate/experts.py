@@ -39,7 +39,8 @@ Counts = dict[str, list[list[int]]]  # MoE layer's name -> per rank, the assignm
 def routing(cfg: RunConfig) -> Counts:
     """Each MoE layer's kept assignments per expert on each rank's first batch, from the job's seeded model
     (the ep tier routes each rank's tokens with the same replicated routers, so its counts are these)."""
-    model, data = build_job(cfg, torch.device("cpu"))
+    with torch.random.fork_rng(devices=[]):  # build_job seeds torch: leave the caller's generator as it was
+        model, data = build_job(cfg, torch.device("cpu"))
     counts: Counts = {}
     for name, layer in model.named_modules():
         if isinstance(layer, MoE):
