@@ -52,7 +52,7 @@ SLOW, FAST = 200.0, 10_000.0  # Mbit/s
 EVAL_EVERY = 5  # DDP's evaluations, in steps: every DiLoCo synchronisation falls on one
 DDP_LRS = (0.0003, 0.001, 0.003, 0.01)
 INNER_LRS = (0.0003, 0.001, 0.003, 0.01)
-OUTER_LRS = (0.2, 0.4, 0.7, 1.0)
+OUTER_LRS = (0.05, 0.1, 0.2, 0.4, 0.7)
 DEFAULT_LRS = {"ddp_lr": 0.003, "inner_lr": 0.003, "outer_lr": 0.7}
 BOUND = 0.5
 
