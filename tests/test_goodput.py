@@ -40,6 +40,7 @@ def test_restart_model_by_hand():
 def test_per_fault_model_and_break_even_by_hand():
     assert gm.per_fault_goodput(gm.PerFault(0.1, 5.0), 10.0) == pytest.approx(1.0 / 0.15)
     assert gm.break_even_steps(0.002, 2.8) == pytest.approx(1400.0)
+    assert gm.break_even_overhead(0.9, 0.99) == pytest.approx(0.1)
     restart, per_step = gm.Restart(0.10, 0.5, 20.0), gm.PerFault(0.12, 1.0)
     m = gm.break_even_mtbf(per_step, restart)
     assert m is not None and gm.goodput(per_step, m) == pytest.approx(gm.goodput(restart, m), rel=1e-6)

@@ -12,6 +12,7 @@ any (full mode); in quick mode, one run per tier, from the run itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -24,10 +25,12 @@ import pandas as pd
 from dtlab.analysis import goodput_measure as gm
 from dtlab.analysis import goodput_model as model
 from dtlab.core.config import RunConfig
+from dtlab.core.results import RunResult
 from dtlab.plots.goodput import goodput_figure
 
-__all__ = ["costs", "curves", "main", "points", "predict_points", "projection"]
+__all__ = ["BREAK_EVEN_CHOICES", "break_even_here", "costs", "curves", "main", "points", "predict_points", "projection"]
 
+PER_STEP = "per-step recovery, no step overhead"  # the projection's: what an overhead per step may cost
 MTBF_GRID = np.logspace(-1, 3, 60)  # seconds of training between faults, for the curves
 
 
@@ -51,7 +54,7 @@ def variant(tier: str, options: str) -> str:
 def points(quick: bool, seed: int, ckpt: dict[str, float], log: Any = print) -> pd.DataFrame:
     """Every measured run, one row each, with the realised MTBF (seconds exposed to faults per fault fired)."""
     job, rows = _job(quick), []
-    means = [20.0] if quick else [40.0, 100.0, 250.0]  # mean steps between faults
+    means = [20.0] if quick else [30.0, 60.0, 120.0]  # mean steps between faults
     for i, mean_steps in enumerate(means):
         for tier, options in _plan(quick):
             extra = dict(options)
@@ -89,10 +92,11 @@ def costs(runs: pd.DataFrame, ckpt: dict[str, float], exclude: int | None = None
 
 
 def predict_points(runs: pd.DataFrame, ckpt: dict[str, float]) -> pd.Series:
-    """Each run's predicted goodput at its realised MTBF, from the costs of its variant's other runs."""
+    """Each run's predicted goodput at its realised MTBF: what a fault costs from its variant's other runs, the
+    step from its own fault-free steps (the machine's load moves a step's time from run to run)."""
     out = []
     for i, row in runs.iterrows():
-        c = costs(runs, ckpt, exclude=i)[row["variant"]]
+        c = dataclasses.replace(costs(runs, ckpt, exclude=i)[row["variant"]], step_s=float(row["step_s"]))
         if row["tier"] == "elastic":  # as run: the tier's own save, at the interval it used
             c = model.Restart(c.step_s, float(row["save_in_run_s"]), c.restart_s)
             every = int(row["options"].split("snapshot_every=")[1])
@@ -113,11 +117,31 @@ def projection(p: model.Projection = model.LLAMA3) -> pd.DataFrame:
     """The model at a published cluster's failure rate and assumed costs: fraction of fault-free throughput."""
     variants = {"restart, sync save": model.Restart(p.step_s, p.save_s, p.restart_s),
                 "restart, async save": model.Restart(p.step_s, p.async_save_s, p.restart_s, p.persist_s),
-                "per-step recovery": model.PerFault(p.step_s, p.ft_lost_s)}
+                PER_STEP: model.PerFault(p.step_s, p.ft_lost_s)}
     gpus = [1024, 2048, 4096, 8192, p.gpus, 32768, 65536, 131072]
     return pd.DataFrame([{"kind": "projection", "variant": name, "gpus": g, "mtbf_s": m,
                           "fraction": model.goodput(c, m) * c.step_s}
                          for name, c in variants.items() for g, m in zip(gpus, p.mtbf_at(gpus))])
+
+
+BREAK_EVEN_CHOICES = ("every 10 steps", "every 100 steps", "every 1,000 steps", "every 10,000 steps",
+                      "every 100,000 steps", "at any rate: ft's step is no slower here")
+
+
+def break_even_here(restart_run: RunResult, per_step_run: RunResult) -> dict[str, Any]:
+    """From one faulted ``elastic`` run and one faulted ``ft`` run: the fault interval (training seconds and
+    ``ft`` steps) below which ``ft``'s slower step pays for its cheaper faults (the models' crossing; ``steps``
+    is None if one is better at every rate), the costs it used, and ``answer``, the nearest of
+    ``BREAK_EVEN_CHOICES``."""
+    el, per = gm.read_run(restart_run), gm.read_run(per_step_run)
+    restart = model.Restart(el["step_s"], el["save_in_run_s"], el["restart_s"])
+    cheap = model.PerFault(per["step_s"], per["lost_per_fault_s"])
+    mtbf = model.break_even_mtbf(cheap, restart)
+    steps = mtbf / cheap.step_s if mtbf else None
+    faster = cheap.step_s <= restart.step_s
+    answer = BREAK_EVEN_CHOICES[-1] if faster else \
+        BREAK_EVEN_CHOICES[min(4, max(0, round(math.log10(steps)) - 1))] if steps else None
+    return {"mtbf_s": mtbf, "steps": steps, "answer": answer, "restart": restart, "per_step": cheap}
 
 
 def _summary(runs: pd.DataFrame, fitted: dict[str, Any], proj: pd.DataFrame, ckpt: dict[str, float]) -> list[str]:
@@ -132,8 +156,12 @@ def _summary(runs: pd.DataFrame, fitted: dict[str, Any], proj: pd.DataFrame, ckp
         text = f"{m:.2f} s, {m / fitted[name].step_s:.0f} steps" if m else "none in range"
         lines.append(f"break-even MTBF, {name} against restart (DCP save): {text}")
     llama = proj[proj["gpus"] == model.LLAMA3.gpus]
+    at = llama.set_index("variant")["fraction"]
     lines.append(f"PROJECTION ({model.LLAMA3.source}; costs assumed): MTBF {model.LLAMA3.mtbf_s / 3600:.2f} h at "
-                 f"{model.LLAMA3.gpus} GPUs; " + ", ".join(f"{r.variant} {r.fraction:.3f}" for r in llama.itertuples()))
+                 f"{model.LLAMA3.gpus} GPUs; fraction of fault-free throughput: "
+                 + ", ".join(f"{name} {value:.3f}" for name, value in at.items())
+                 + f"; per-step recovery pays off there while its per-step overhead is below "
+                 f"{100 * model.break_even_overhead(at['restart, async save'], at[PER_STEP]):.1f} %")
     return lines
 
 
@@ -144,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     p.add_argument("--seed", type=int, default=0, help="the fault schedules' seed")
     args = p.parse_args(argv)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
-    ckpt = gm.checkpoint_costs(RunConfig(tier="single", **{**_job(args.quick), "world_size": 1}))
+    ckpt = gm.checkpoint_costs(RunConfig(tier="single", **{**_job(args.quick), "world_size": 1}),
+                               repeats=5 if args.quick else 15)
     runs = points(args.quick, args.seed, ckpt)
     runs["predicted"] = predict_points(runs, ckpt)
     runs["ratio"] = runs["goodput"] / runs["predicted"]

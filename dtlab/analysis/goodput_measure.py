@@ -35,7 +35,7 @@ from dtlab.train import run
 __all__ = ["checkpoint_costs", "elastic_schedule", "measure", "read_run", "replica_schedule"]
 
 
-def checkpoint_costs(cfg: RunConfig, repeats: int = 5) -> dict[str, float]:
+def checkpoint_costs(cfg: RunConfig, repeats: int = 15) -> dict[str, float]:
     """Median seconds of DCP ``save``, ``async_save`` (blocking part, and until durable) and ``load`` of the job's
     model and Adam state, in this process (one rank: a 2-rank DDP save writes the same replicated state once),
     and ``step_guess_s``, one step here."""
@@ -162,8 +162,9 @@ def measure(tier: str, job: dict[str, Any], mtbf_s: float, step_s: float, seed: 
     if tier == "elastic":
         every = options["snapshot_every"]
         faults = elastic_schedule(mean_steps, steps, every, rng)
+        # headroom in the restarts: a rendezvous that fails under load takes one too
         opts: Any = elastic.Options(snapshot_format="dcp", faults=tuple(f"sigkill:{s}:1" for s in faults),
-                                    max_restarts=len(faults) + 1, **options)
+                                    max_restarts=2 * len(faults) + 2, **options)
     else:
         first = options.get("sync_every", 1)  # diloco: no fault before the first synchronisation
         faults = replica_schedule(mean_steps, steps, rng, first=first)

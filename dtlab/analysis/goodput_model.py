@@ -31,8 +31,9 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["LLAMA3", "PerFault", "Projection", "Restart", "break_even_mtbf", "break_even_steps", "daly_interval",
-           "goodput", "interval_steps", "per_fault_goodput", "restart_goodput", "segment_s", "young_interval"]
+__all__ = ["LLAMA3", "PerFault", "Projection", "Restart", "break_even_mtbf", "break_even_overhead", "break_even_steps",
+           "daly_interval", "goodput", "interval_steps", "per_fault_goodput", "restart_goodput", "segment_s",
+           "young_interval"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,13 @@ def break_even_steps(extra_step_s: float, saved_per_fault_s: float) -> float:
     """First order: per-step recovery pays off when faults come more often than every N steps, N = saved / extra."""
     _positive(extra_step_s=extra_step_s)
     return max(0.0, saved_per_fault_s) / extra_step_s
+
+
+def break_even_overhead(restart_fraction: float, per_step_fraction: float) -> float:
+    """The per-step overhead (a fraction of a step) at which per-step recovery, keeping ``per_step_fraction`` of
+    its own fault-free throughput, falls to ``restart_fraction`` of the restart's: f_p / (1 + o) = f_r."""
+    _positive(restart_fraction=restart_fraction)
+    return per_step_fraction / restart_fraction - 1.0
 
 
 def break_even_mtbf(a: Restart | PerFault, b: Restart | PerFault, low: float = 1e-3,
