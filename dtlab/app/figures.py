@@ -40,6 +40,7 @@ LINK_SWEEP = "python benchmarks/link_sweep.py"
 DILOCO_LINK = "python benchmarks/diloco_link.py"
 FT_RECOVERY = "python benchmarks/ft_recovery.py"
 ROOFLINE = "python -m dtlab.analysis.roofline"
+GOODPUT = "python -m dtlab.analysis.goodput"  # writes into results/goodput
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
@@ -64,6 +65,8 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/ft_recovery.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery.csv"),
     "docs/figures/ft_recovery.png": Figure(FT_RECOVERY, "results/bench/ft_recovery.png"),
     "docs/figures/ft_recovery_parts.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery_parts.csv"),
+    "docs/figures/goodput.png": Figure(GOODPUT, "results/goodput/goodput.png"),
+    "docs/figures/goodput.csv": Figure(GOODPUT, "results/goodput/goodput.csv"),
 }
 
 
