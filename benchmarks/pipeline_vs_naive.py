@@ -15,6 +15,9 @@ nothing) and best pipelined / naive <= 0.9. The sweep should bottom out inside t
 range: few micro-batches leave a large bubble ((S-1)/(M+S-1) of each stage idle),
 many pay per-micro-batch costs (a P2P transfer each way, small matmuls).
 
+Per pipelined run it also sums the recorded sends and receives: the share of the step one was in flight,
+and the share of the idle time that had one in flight; the load average is printed before and after.
+
 Writes ``pipeline_vs_naive.csv`` (one row per run), ``pipeline_vs_naive_steps.csv``
 and ``pipeline_vs_naive.png`` (step time against M, with naive and single marked).
 
@@ -24,6 +27,7 @@ and ``pipeline_vs_naive.png`` (step time against M, with naive and single marked
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import _common as common
 import pandas as pd
@@ -73,6 +77,9 @@ def variant(key: str, cfg: RunConfig, steps_out: list):
             first = result.steady(WARMUP_STEPS)["step"].min()
             row["idle_fraction"] = float(bubble[bubble["step"] >= first]["idle_fraction"].median())
             row["ideal_idle_fraction"] = pipeline_analysis.ideal_bubble(o.schedule, STAGES, o.microbatches)
+            # what the recorded sends and receives explain of the idle time (see analysis.pipeline.transfer_share)
+            row["transfer_share"], row["idle_in_transfer"], row["idle_in_arrival"] = \
+                pipeline_analysis.transfer_share(result)
         return row
     return go
 
@@ -80,6 +87,7 @@ def variant(key: str, cfg: RunConfig, steps_out: list):
 def main() -> None:
     args = common.parse(common.parser(__doc__))
     configs = jobs(args.quick)
+    load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
     steps_rows: list = []
     variants = {key: variant(key, cfg, steps_rows) for key, cfg in configs.items()}
     rows = common.interleave(variants, common.repeats(args, full=5, quick=1), warmup_rounds=0 if args.quick else 1,
@@ -91,15 +99,20 @@ def main() -> None:
                 if k.startswith(("gpipe", "1f1b"))}
     pipelined = [k for k in vs_naive if configs[k].tier_options.microbatches > 1]  # gpipe-M1 is the naive split
     print(f"{NAME}.sweep (medians over rounds):", flush=True)
-    print(f"  {'run':<10} {'step ms':>8} {'/ naive':>8} {'idle':>6} {'ideal':>6}", flush=True)
+    print(f"  {'run':<10} {'step ms':>8} {'/ naive':>8} {'idle':>6} {'ideal':>6} {'in flight':>9} "
+          f"{'idle in flight':>14}", flush=True)
     medians = {}
     for key in variants:
         mine = [r for r in rows if r["variant"] == key and r["round"] >= 0]
         medians[key] = common.median(r["median_step_s"] for r in mine) * 1e3
         idle = common.median(r.get("idle_fraction", float("nan")) for r in mine)
         ideal = mine[0].get("ideal_idle_fraction", float("nan"))
-        print(f"  {key:<10} {medians[key]:>8.1f} {vs_naive.get(key, float('nan')):>8.3f} {idle:>6.2f} {ideal:>6.2f}",
-              flush=True)
+        moved = common.median(r.get("transfer_share", float("nan")) for r in mine)
+        waited = common.median(r.get("idle_in_transfer", float("nan")) for r in mine)
+        print(f"  {key:<10} {medians[key]:>8.1f} {vs_naive.get(key, float('nan')):>8.3f} {idle:>6.2f} {ideal:>6.2f} "
+              f"{moved:>9.2f} {waited:>14.2f}", flush=True)
+    load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    common.note(f"load average before {' '.join(load_before)}, after {' '.join(load_after)}")
 
     naive = common.ratios(rows, "naive", "single", "median_step_s")
     common.note(f"naive/single per round: {common.spread(naive)}")

@@ -120,7 +120,8 @@ def test_zero_bubble_layout_matches_torchs_own_time_table(schedule, p, m):
 def _timeline():
     """Two ranks, one step over [10, 14] s: each rank computes 2 s of it. Rank 0 has a send (10.9-11.5)
     and a receive (11.2-12.5) in flight, overlapping each other and its compute from 12: 1.6 s in flight,
-    1 s of it idle. Rank 1 posts nothing. Set-up transfers and another step's are left out."""
+    1 s of it idle. The receive's data leaves rank 1 at 11.8 (its send, during its compute): from then to
+    12.5 it arrives, 0.2 s of that idle on rank 0. Set-up transfers and another step's are left out."""
     from types import SimpleNamespace
 
     from dtlab.tiers.pipeline import SETUP_TAG
@@ -133,11 +134,12 @@ def _timeline():
         {"rank": 0, "step": 1, "phase": "optimizer", "start": 14.0, "end": 15.0},  # not a pipeline action
     ])
     events = pd.DataFrame([
-        {"rank": 0, "step": 1, "op": "isend", "tag": "", "start": 10.9, "end": 11.5},
-        {"rank": 0, "step": 1, "op": "irecv", "tag": "", "start": 11.2, "end": 12.5},
-        {"rank": 0, "step": 1, "op": "all_reduce", "tag": "", "start": 13.0, "end": 14.0},  # not a transfer
-        {"rank": 1, "step": 0, "op": "isend", "tag": SETUP_TAG, "start": 0.0, "end": 20.0},
-        {"rank": 1, "step": 2, "op": "irecv", "tag": "", "start": 13.5, "end": 14.0},
+        {"rank": 0, "step": 1, "op": "isend", "peer": 1, "tag": "", "start": 10.9, "end": 11.5},
+        {"rank": 0, "step": 1, "op": "irecv", "peer": 1, "tag": "", "start": 11.2, "end": 12.5},
+        {"rank": 0, "step": 1, "op": "all_reduce", "peer": -1, "tag": "", "start": 13.0, "end": 14.0},
+        {"rank": 1, "step": 1, "op": "isend", "peer": 0, "tag": "", "start": 11.8, "end": 11.9},
+        {"rank": 1, "step": 0, "op": "isend", "peer": 0, "tag": SETUP_TAG, "start": 0.0, "end": 20.0},
+        {"rank": 1, "step": 2, "op": "irecv", "peer": 0, "tag": "", "start": 13.5, "end": 14.0},
     ])
     return SimpleNamespace(phases_frame=lambda: phases, events_frame=lambda: events)
 
@@ -147,7 +149,9 @@ def test_bubble_frame_on_a_known_timeline():
     assert b["span_s"].tolist() == pytest.approx([4.0, 4.0])
     assert b["busy_s"].tolist() == pytest.approx([2.0, 2.0])
     assert b["idle_fraction"].tolist() == pytest.approx([0.5, 0.5])
-    assert b["transfer_s"].tolist() == pytest.approx([1.6, 0.0])  # 10.9-12.5, overlaps counted once
+    assert b["transfer_s"].tolist() == pytest.approx([1.6, 0.1])  # 10.9-12.5, overlaps counted once
     assert b["idle_in_transfer_s"].tolist() == pytest.approx([1.0, 0.0])  # 11-12 idle and in flight
-    # the run's summary: in flight 0.4 and 0 of the span (mean 0.2); idle in flight 0.5 and 0 (mean 0.25)
-    assert pipeline_runs.transfer_share(_timeline()) == pytest.approx((0.2, 0.25))
+    assert b["idle_in_arrival_s"].tolist() == pytest.approx([0.2, 0.0])  # 11.8-12: sent, idle, not yet here
+    # the run's summary, means over ranks: in flight 0.4 and 0.025 of the span; idle in flight 0.5 and 0;
+    # idle while arriving 0.1 and 0
+    assert pipeline_runs.transfer_share(_timeline()) == pytest.approx((0.2125, 0.25, 0.05))

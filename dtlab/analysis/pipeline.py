@@ -166,26 +166,47 @@ def schedule_figure(result: Any, step: int | None = None, p2p: bool = False, tit
 def bubble_frame(result: Any) -> pd.DataFrame:
     """Per step and rank: busy seconds (its forwards and backwards), the step's pipeline span (first stage's
     first start to the last end on any stage), the idle fraction, and what the recorded transfers explain of
-    the idle time: ``transfer_s`` (the time the rank had a send or receive in flight, overlaps counted once)
-    and ``idle_in_transfer_s`` (idle time with a transfer in flight; the rest of the idle time the rank had
-    nothing posted, so the schedule or a slower peer kept it waiting)."""
+    the idle time: ``transfer_s`` (the time the rank had a send or receive in flight, overlaps counted once),
+    ``idle_in_transfer_s`` (idle time with one in flight) and ``idle_in_arrival_s`` (idle time while a
+    receive whose matching send the peer had already posted was still arriving: the transfer's own cost; a
+    receive posted before its send waits for the peer's compute, which is the schedule's bubble, not the
+    transfer's)."""
     compute = _compute_rows(result)
     busy = (compute["end"] - compute["start"]).groupby([compute["step"], compute["rank"]]).sum()
     window = compute.groupby("step").agg(first=("start", "min"), last=("end", "max"))
     out = busy.rename("busy_s").reset_index().merge(window, on="step")
     transfers = _transfer_rows(result)
-    moved, idle_moved = [], []
+    arrivals = _arrivals(transfers)
+    moved, idle_moved, idle_arriving = [], [], []
     for row in out.itertuples():
         bars = compute[(compute["step"] == row.step) & (compute["rank"] == row.rank)]
         sent = transfers[(transfers["step"] == row.step) & (transfers["rank"] == row.rank)]
+        came = arrivals[(arrivals["step"] == row.step) & (arrivals["rank"] == row.rank)]
         inflight = _union(zip(sent["start"].clip(row.first, row.last), sent["end"].clip(row.first, row.last)))
+        arriving = _union(zip(came["start"].clip(row.first, row.last), came["end"].clip(row.first, row.last)))
         idle = _gaps(_union(zip(bars["start"], bars["end"])), row.first, row.last)
         moved.append(sum(b - a for a, b in inflight))
         idle_moved.append(_overlap(idle, inflight))
+        idle_arriving.append(_overlap(idle, arriving))
     out["span_s"] = out.pop("last") - out.pop("first")
     out["idle_fraction"] = 1 - out["busy_s"] / out["span_s"]
-    out["transfer_s"], out["idle_in_transfer_s"] = moved, idle_moved
+    out["transfer_s"], out["idle_in_transfer_s"], out["idle_in_arrival_s"] = moved, idle_moved, idle_arriving
     return out
+
+
+def _arrivals(transfers: pd.DataFrame) -> pd.DataFrame:
+    """Per receive: from when both sides had posted (the later of the receive and its matching send, the
+    sender's n-th send to this rank in the step for the n-th receive from it) to its end."""
+    rows = []
+    if transfers.empty or "peer" not in transfers:
+        return pd.DataFrame(columns=["rank", "step", "start", "end"])
+    sends = transfers[transfers["op"].isin(("isend", "send"))]
+    recvs = transfers[transfers["op"].isin(("irecv", "recv"))]
+    for (step, rank, peer), got in recvs.groupby(["step", "rank", "peer"]):
+        put = sends[(sends["step"] == step) & (sends["rank"] == peer) & (sends["peer"] == rank)]
+        for r, s in zip(got.sort_values("start").itertuples(), put.sort_values("start").itertuples()):
+            rows.append({"rank": rank, "step": step, "start": max(r.start, s.start), "end": r.end})
+    return pd.DataFrame(rows, columns=["rank", "step", "start", "end"])
 
 
 def _transfer_rows(result: Any) -> pd.DataFrame:
@@ -228,22 +249,24 @@ def measured_idle(result: Any) -> float:
     return float(b[b["step"] > 0].groupby("rank")["idle_fraction"].median().mean())
 
 
-def transfer_share(result: Any) -> tuple[float, float]:
+def transfer_share(result: Any) -> tuple[float, float, float]:
     """The run's recorded transfers against its idle time, over the steps after the first (medians over steps,
-    means over ranks): the time a transfer was in flight as a share of the step's span, and the share of the
-    idle time that had a transfer in flight (1: every idle moment waited on a posted send or receive)."""
+    means over ranks): the time a transfer was in flight as a share of the step's span; the share of the
+    idle time that had one in flight (posted receives waiting for the peer included); and the share of the
+    idle time spent on receives whose send was already posted (what the transfers themselves cost)."""
     b = bubble_frame(result)
     b = b[b["step"] > 0]
-    idle_s = b["span_s"] - b["busy_s"]
+    idle_s = (b["span_s"] - b["busy_s"]).where(lambda x: x > 0)
     in_flight = (b["transfer_s"] / b["span_s"]).groupby(b["rank"]).median().mean()
-    explained = (b["idle_in_transfer_s"] / idle_s.where(idle_s > 0)).groupby(b["rank"]).median().mean()
-    return float(in_flight), float(explained)
+    posted = (b["idle_in_transfer_s"] / idle_s).groupby(b["rank"]).median().mean()
+    arriving = (b["idle_in_arrival_s"] / idle_s).groupby(b["rank"]).median().mean()
+    return float(in_flight), float(posted), float(arriving)
 
 
 def bubble_table(results: Mapping[str, Any]) -> pd.DataFrame:
     """Per run: its schedule, ranks p, stages per rank v, micro-batches M, the measured idle share, the formula's
     (NaN where none) and the simulated one (its own action order, equal stages, free transfers); then
-    ``transfer_share`` of the step and ``idle_in_transfer`` (``transfer_share``'s two values)."""
+    ``transfer_share`` of the step, ``idle_in_transfer`` and ``idle_in_arrival`` (``transfer_share``'s values)."""
     rows = []
     for label, r in results.items():
         o, p = r.config.tier_options, r.config.world_size
@@ -254,5 +277,5 @@ def bubble_table(results: Mapping[str, Any]) -> pd.DataFrame:
             formula = float("nan")
         rows.append({"run": label, "schedule": o.schedule, "p": p, "v": v, "M": m, "measured": measured_idle(r),
                      "formula": formula, "simulated": simulated_bubble(o.schedule, p, m, v),
-                     **dict(zip(("transfer_share", "idle_in_transfer"), transfer_share(r)))})
+                     **dict(zip(("transfer_share", "idle_in_transfer", "idle_in_arrival"), transfer_share(r)))})
     return pd.DataFrame(rows)

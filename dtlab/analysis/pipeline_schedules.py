@@ -55,8 +55,8 @@ def schedule_table(runs: Mapping[str, list[Any]]) -> pd.DataFrame:
         bubble = bubble_table({schedule: results[0]}).iloc[0].to_dict()
         bubble["measured"] = statistics.median(measured_idle(r) for r in results)
         shares = [transfer_share(r) for r in results]
-        bubble["transfer_share"] = statistics.median(t for t, _ in shares)
-        bubble["idle_in_transfer"] = statistics.median(i for _, i in shares)
+        for i, name in enumerate(("transfer_share", "idle_in_transfer", "idle_in_arrival")):
+            bubble[name] = statistics.median(share[i] for share in shares)
         table = compare(estimate(results[0].config), results[0])
         acts = table[table["kind"] == "activations"]
         measured, predicted = int(acts["measured"].max()), int(acts["predicted"].max())
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 ranks, M = {args.microbatches}, {steps} steps x {rounds} round(s); load average before {before}, "
           f"after {_loadavg()}; idle shares: measured (median over steps after the first, mean over ranks, median "
           "over rounds), formula, simulated (equal times); transfer_share: a send or receive in flight, share of "
-          "the step; idle_in_transfer: share of the idle time with one in flight")
+          "the step; idle_in_transfer: share of the idle time with one in flight; idle_in_arrival: share of the "
+          "idle time receiving data whose send was already posted")
     print(table.round(3).to_string(index=False))
     if args.csv is not None:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
