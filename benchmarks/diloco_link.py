@@ -163,10 +163,12 @@ def judge_seed(rows: list[dict[str, Any]], curves: Mapping[tuple[int, str], pd.D
 
 
 def best_h(rows: list[dict[str, Any]]) -> str:
-    """The fp32 DiLoCo run at 200 Mbit/s with the lowest median time ratio over the seeds (not reached: inf)."""
+    """The fp32 DiLoCo run at 200 Mbit/s with the lowest median time ratio over the seeds (not reached: inf);
+    between equal ones, the lowest median final held-out loss."""
     names = {r["variant"] for r in rows if r["h"] and r["comm_dtype"] == "fp32" and r["link_mbit"] == SLOW}
-    score = {n: common.median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
-                               for r in rows if r["variant"] == n]) for n in names}
+    score = {n: (common.median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
+                                for r in rows if r["variant"] == n]),
+                 common.median([r["heldout_final"] for r in rows if r["variant"] == n])) for n in names}
     return min(sorted(score), key=score.get)
 
 

@@ -37,7 +37,9 @@ DEMO_COMPARE = ("python -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --
 DEMO_SWEEP = "python -m dtlab.analysis.speedup --out results/demo"
 COSTMODEL = "python benchmarks/costmodel_error.py"  # writes into results/bench, the benchmarks' default
 LINK_SWEEP = "python benchmarks/link_sweep.py"
-DILOCO_LINK = "python benchmarks/diloco_link.py"
+PIPELINE_BUBBLE = "python -m dtlab.analysis.pipeline_schedules --rounds 3 --csv results/pipeline/pipeline_bubble.csv"
+DILOCO_LINK = "python benchmarks/diloco_link.py"  # reads the learning rates DILOCO_SWEEP chose (run it first)
+DILOCO_SWEEP = "python benchmarks/diloco_link.py --sweep"
 FT_RECOVERY = "python benchmarks/ft_recovery.py"
 ROOFLINE = "python -m dtlab.analysis.roofline"
 GOODPUT = "python -m dtlab.analysis.goodput"  # writes into results/goodput
@@ -60,8 +62,12 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/costmodel_error.csv": Figure(COSTMODEL, "results/bench/costmodel_error.csv"),
     "docs/figures/link_sweep.png": Figure(LINK_SWEEP, "results/bench/link_sweep.png"),
     "docs/figures/link_sweep.csv": Figure(LINK_SWEEP, "results/bench/link_sweep.csv"),
+    "docs/figures/link_sweep_runs.csv": Figure(LINK_SWEEP, "results/bench/link_sweep_runs.csv"),
+    "docs/figures/pipeline_bubble.csv": Figure(PIPELINE_BUBBLE, "results/pipeline/pipeline_bubble.csv"),
+    "docs/figures/diloco_link_sweep.csv": Figure(DILOCO_SWEEP, "results/bench/diloco_link_sweep.csv"),
     "docs/figures/diloco_link.png": Figure(DILOCO_LINK, "results/bench/diloco_link.png"),
     "docs/figures/diloco_link.csv": Figure(DILOCO_LINK, "results/bench/diloco_link.csv"),
+    "docs/figures/diloco_link_curves.csv": Figure(DILOCO_LINK, "results/bench/diloco_link_curves.csv"),
     "docs/figures/ft_recovery.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery.csv"),
     "docs/figures/ft_recovery.png": Figure(FT_RECOVERY, "results/bench/ft_recovery.png"),
     "docs/figures/ft_recovery_parts.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery_parts.csv"),
