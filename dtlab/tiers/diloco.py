@@ -216,4 +216,4 @@ class Strategy(base.Strategy):
 
 SPEC = TierSpec(name="diloco", summary="torchft DiLoCo: replica groups sync every H steps (outer Nesterov step)",
                 options=Options, validate=validate, strategy=Strategy, launcher="ft", preflight=preflight,
-                replicas=replicas.plan, choices={"network": replicas.NETWORKS})
+                replicas=replicas.plan, choices={"network": replicas.NETWORKS, "outer_comm_dtype": COMM_DTYPES})
