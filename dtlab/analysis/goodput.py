@@ -54,7 +54,7 @@ def variant(tier: str, options: str) -> str:
 def points(quick: bool, seed: int, ckpt: dict[str, float], log: Any = print) -> pd.DataFrame:
     """Every measured run, one row each, with the realised MTBF (seconds exposed to faults per fault fired)."""
     job, rows = _job(quick), []
-    means = [20.0] if quick else [30.0, 60.0, 120.0]  # mean steps between faults
+    means = [20.0] if quick else [30.0, 60.0, 100.0]  # mean steps between faults
     for i, mean_steps in enumerate(means):
         for tier, options in _plan(quick):
             extra = dict(options)
