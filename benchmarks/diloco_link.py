@@ -14,8 +14,9 @@ below it (``first_reach``, not interpolated), "not reached" when none is. Seeds 
 round per seed, the variants' order reversed every other round); ``/proc/loadavg`` is recorded around each run.
 
 Learning rates: ``--sweep`` runs seed 0 at 10 Gbit/s only (DDP's lr over ``DDP_LRS``; DiLoCo H = 20's inner lr
-over ``INNER_LRS`` and outer lr over ``OUTER_LRS``), keeps each lowest final held-out loss and writes
-``diloco_link_sweep.csv``; the main run reads it from ``--out`` (or runs the defaults, and says so).
+over ``INNER_LRS`` and outer lr over ``OUTER_LRS``; then H = 5's and H = 50's outer lr at that inner lr), keeps
+each lowest final held-out loss and writes ``diloco_link_sweep.csv``; the main run reads it from ``--out`` (or
+runs the defaults, and says so).
 
 Target, at 200 Mbit/s: DiLoCo at its best H (lowest median time ratio over the seeds) reaches DDP's held-out
 loss in at most 0.5 of the training time DDP takes to first reach it, on every seed (``diloco_link.time_to_quality``).
