@@ -31,7 +31,7 @@ from dtlab.plots.goodput import goodput_figure
 __all__ = ["BREAK_EVEN_CHOICES", "break_even_here", "costs", "curves", "main", "points", "predict_points", "projection"]
 
 PER_STEP = "per-step recovery, no step overhead"  # the projection's: what an overhead per step may cost
-MTBF_GRID = np.logspace(-1, 3, 60)  # seconds of training between faults, for the curves
+MTBF_GRID = np.logspace(-1.3, 3, 60)  # seconds of training between faults, for the curves
 
 
 def _job(quick: bool) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def _projection(ax, frame: pd.DataFrame) -> None:  # noqa: ANN001 - a matplotlib
         ax.plot(rows["gpus"], rows["fraction"], marker="o", ms=3, color=TIER_PALETTE[(i + 4) % len(TIER_PALETTE)],
                 label=name)
     ax.axvline(16384, color="grey", ls="--", lw=0.8)
-    ax.text(16384, 0.02, " Llama 3: 16,384 GPUs,\n 419 unexpected faults\n in 54 days", fontsize=7, va="bottom")
+    ax.text(16384, 0.45, " Llama 3: 16,384 GPUs,\n 419 unexpected faults\n in 54 days", fontsize=7, va="bottom")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("GPUs (MTBF scaled as 1 / GPUs)")
