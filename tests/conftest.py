@@ -54,12 +54,13 @@ def default_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
-def torchrun_processes() -> list[psutil.Process]:
-    """torchrun agents and dtlab workers anywhere on the machine (orphans are not our descendants)."""
+def torchrun_processes(since: float = 0.0) -> list[psutil.Process]:
+    """torchrun agents and dtlab workers anywhere on the machine (orphans are not our descendants) started at
+    ``since`` (a time.time()) or later: one started before a test cannot be that test's leftover."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "create_time"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "dtlab.launch.worker" in cmd or "torch.distributed.run" in cmd:
+        if ("dtlab.launch.worker" in cmd or "torch.distributed.run" in cmd) and p.info["create_time"] >= since:
             found.append(p)
     return found
 
@@ -67,11 +68,12 @@ def torchrun_processes() -> list[psutil.Process]:
 @pytest.fixture
 def nothing_left(no_survivors):
     """no_survivors, and no torchrun agent, dtlab worker or dtlab network namespace anywhere afterwards."""
+    started = time.time() - 1.0  # create_time is rounded
     yield
     from dtlab.launch import netns
 
     deadline = time.time() + 5.0
-    while (stray := torchrun_processes()) and time.time() < deadline:
+    while (stray := torchrun_processes(started)) and time.time() < deadline:
         time.sleep(0.2)
     for p in stray:
         p.kill()
