@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtlab.app.bench import RESULT
 from dtlab.core.config import RunConfig
 from dtlab.train import run
 
@@ -174,6 +175,8 @@ def result_line(name: str, measured: float, target: str, *, quick: bool, detail:
         line += " pass" if passed else " MISS"
     if detail:
         line += f" -- {detail}"
+    if not RESULT.match(line):  # a line the runner cannot read would drop the result and fail the run
+        raise ValueError(f"result name {name!r} does not parse: use letters, digits, dots and one [qualifier]")
     print(line, flush=True)
     return line
 

@@ -11,9 +11,11 @@ pytestmark = pytest.mark.usefixtures("no_survivors")
 
 def test_result_lines_parse():
     rows = parse("noise\nscaling: measured 0.867 (target >= 0.7) pass -- weak-scaling efficiency\n"
-                 "x.y: measured 3.056 (target none: > 1 means bucketing pays) [quick smoke run: not a measurement]\n")
+                 "x.y: measured 3.056 (target none: > 1 means bucketing pays) [quick smoke run: not a measurement]\n"
+                 "ft[step without faults, ft / ddp]: measured 1.774 (target informational) -- medians\n")
     assert [(r["name"], r["value"], r["verdict"]) for r in rows] == [("scaling", "0.867", " pass"),
-                                                                     ("x.y", "3.056", None)]
+                                                                     ("x.y", "3.056", None),
+                                                                     ("ft[step without faults, ft / ddp]", "1.774", None)]
 
 
 def test_unknown_benchmark_is_named():
@@ -95,3 +97,11 @@ def test_interleave_reverses_every_other_round():
     rows = common.interleave({"a": lambda r: {}, "b": lambda r: {}, "c": lambda r: {}}, 2, warmup_rounds=1)
     order = [(row["round"], row["variant"]) for row in rows]
     assert order == [(-1, "c"), (-1, "b"), (-1, "a"), (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
+
+
+def test_a_result_line_the_runner_cannot_read_fails_where_it_is_written(capsys):
+    common = _common()
+    line = common.result_line("ft[tuned timeouts]", 0.14, "<= 0.2", quick=False, passed=True, detail="medians")
+    assert parse(line)[0]["name"] == "ft[tuned timeouts]"
+    with pytest.raises(ValueError, match="'ft tuned'"):
+        common.result_line("ft tuned", 0.14, "<= 0.2", quick=True)

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-RESULT = re.compile(r"^(?P<name>[\w.]+): measured (?P<value>[-\d.e+naninf]+) \(target (?P<target>[^)]*)\)"
+# a name may carry one bracketed qualifier: ``ft_recovery[tuned timeouts]``
+RESULT = re.compile(r"^(?P<name>[\w.]+(?:\[[^\]\n]+\])?): measured (?P<value>[-\d.e+naninf]+) \(target (?P<target>[^)]*)\)"
                     r"(?P<verdict> pass| MISS)?(?P<quick> \[quick[^\]]*\])?(?: -- (?P<detail>.*))?$")
 
 
