@@ -13,9 +13,8 @@ def test_result_lines_parse():
     rows = parse("noise\nscaling: measured 0.867 (target >= 0.7) pass -- weak-scaling efficiency\n"
                  "x.y: measured 3.056 (target none: > 1 means bucketing pays) [quick smoke run: not a measurement]\n"
                  "ft[step without faults, ft / ddp]: measured 1.774 (target informational) -- medians\n")
-    assert [(r["name"], r["value"], r["verdict"]) for r in rows] == [("scaling", "0.867", " pass"),
-                                                                     ("x.y", "3.056", None),
-                                                                     ("ft[step without faults, ft / ddp]", "1.774", None)]
+    assert [(r["name"], r["value"], r["verdict"]) for r in rows] == [
+        ("scaling", "0.867", " pass"), ("x.y", "3.056", None), ("ft[step without faults, ft / ddp]", "1.774", None)]
 
 
 def test_unknown_benchmark_is_named():

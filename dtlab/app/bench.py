@@ -20,8 +20,9 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 # a name may carry one bracketed qualifier: ``ft_recovery[tuned timeouts]``
-RESULT = re.compile(r"^(?P<name>[\w.]+(?:\[[^\]\n]+\])?): measured (?P<value>[-\d.e+naninf]+) \(target (?P<target>[^)]*)\)"
-                    r"(?P<verdict> pass| MISS)?(?P<quick> \[quick[^\]]*\])?(?: -- (?P<detail>.*))?$")
+RESULT = re.compile(r"^(?P<name>[\w.]+(?:\[[^\]\n]+\])?): measured (?P<value>[-\d.e+naninf]+) "
+                    r"\(target (?P<target>[^)]*)\)(?P<verdict> pass| MISS)?"
+                    r"(?P<quick> \[quick[^\]]*\])?(?: -- (?P<detail>.*))?$")
 
 
 def scripts(only: list[str] | None = None) -> list[Path]:
