@@ -267,3 +267,20 @@ def test_main_calibrates_and_writes_the_table_and_figure(monkeypatch, tmp_path, 
     assert "link: all_reduce:" in printed and "round 1: busy_s" in printed
     assert "crossover:" in printed and "prediction:" in printed
     assert printed.strip().splitlines()[-1].startswith("every width within 30 %: ")
+
+
+def _synthetic_sweep(beta: float) -> pd.DataFrame:
+    sizes = (4096, 65536, 1 << 20, 4 << 20)
+    return pd.DataFrame([{"op": op, "bytes": b, "group_size": 2, "repeat": r, "seconds": 1e-4 + beta * b,
+                          "outlier": False} for op in calibration.LINK_OPS for b in sizes for r in range(3)])
+
+
+def test_an_unfittable_calibration_sweep_is_swept_once_more_then_named(monkeypatch):
+    sweeps = iter([_synthetic_sweep(-1e-12), _synthetic_sweep(1e-9)])  # a stalled sweep, then a sound one
+    monkeypatch.setattr(calibration.collectives, "sweep", lambda *a, **k: next(sweeps))
+    with pytest.warns(UserWarning, match="sweep 1 could not be fitted.*sweeping again"):
+        link = calibration.calibrate_link(2, quick=True)
+    assert link.links["all_reduce"].beta_s_per_byte == pytest.approx(1e-9, rel=1e-3)
+    monkeypatch.setattr(calibration.collectives, "sweep", lambda *a, **k: _synthetic_sweep(-1e-12))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no positive per-byte cost"):
+        calibration.calibrate_link(2, quick=True)

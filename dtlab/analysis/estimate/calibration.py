@@ -14,6 +14,7 @@ notebook 11 run) calibrates here, so they price collectives alike and cannot dis
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 from dtlab.analysis import collectives
@@ -26,15 +27,25 @@ __all__ = ["LINK_OPS", "QUICK_BUSY_ROUNDS", "SWEEP_REPEATS", "RoundLinks", "cali
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SWEEP_REPEATS = 7  # per size: the outlier rule and the per-size medians need a handful
 QUICK_BUSY_ROUNDS = 3  # a smoke run: enough to exercise the code, not a measurement
+CALIBRATION_ATTEMPTS = 2  # a fresh sweep once, said aloud, where a stalled one cannot be fitted
 
 
 def calibrate_link(world_size: int = 2, ops: Sequence[str] = LINK_OPS, *, quick: bool = False) -> LinkSet:
     """One link per op in ``ops``, fitted on a sweep of those ops at ``world_size`` (``quick``: a few sizes
-    and repeats, a smoke test). ``busy_s`` is not measured here: ``RoundLinks`` adds it per round."""
+    and repeats, a smoke test). ``busy_s`` is not measured here: ``RoundLinks`` adds it per round. A sweep that
+    cannot be fitted (no positive per-byte cost: other work stalled it) is swept once more, with a warning."""
     sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if quick
                       else (collectives.CALIBRATION_SIZES, SWEEP_REPEATS))
-    sweep = collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True)
-    return calibrate_ops(sweep, tuple(ops), label=f"gloo loopback, calibrated at n={world_size}")
+    for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
+        sweep = collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True)
+        try:
+            return calibrate_ops(sweep, tuple(ops), label=f"gloo loopback, calibrated at n={world_size}")
+        except ValueError as err:  # a sweep stalled by other work on the machine can leave no per-byte cost
+            if attempt == CALIBRATION_ATTEMPTS:
+                raise
+            warnings.warn(f"calibrate_link: sweep {attempt} could not be fitted ({err}); sweeping again",
+                          stacklevel=2)
+    raise AssertionError("unreachable")
 
 
 class RoundLinks:
