@@ -207,11 +207,10 @@ class LinkModel:
 def capped(link: LinkModel, mbit_per_s: float) -> LinkModel:
     """``link`` behind a ``tc tbf`` cap of ``mbit_per_s``: the slower of the two sets the bandwidth.
 
-    tbf limits the rate, not the latency, so alpha (and its spread) is kept; a
-    link delay (multinode's ``link_delay_ms``) is not modelled here. On a 2-node
-    ring each node's link carries its 2(n-1)/n S bytes in each direction, which
-    is what beta already counts. Where the cap binds, beta is the cap's, with no
-    spread.
+    tbf limits the rate, not the latency, so alpha (and its spread) is kept; a link delay (multinode's
+    ``link_delay_ms``) is not modelled here. On a 2-node ring each node's link carries its 2(n-1)/n S
+    bytes in each direction, which is what beta already counts. Where the cap binds, beta is the cap's,
+    with no spread.
     """
     cap = LinkModel.from_bandwidth(mbit_per_s, link.alpha_s, backend=link.backend, world_size=link.world_size)
     binds = cap.beta_s_per_byte > link.beta_s_per_byte

@@ -9,7 +9,6 @@ at their peak). Each tier's rule is a few lines, stated in its ``assumptions``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -21,10 +20,10 @@ from dtlab.analysis.estimate import pipeline_walk
 from dtlab.analysis.estimate.experts import RULES as EXPERT_RULES
 from dtlab.analysis.estimate.mesh import RULES as MESH_RULES
 from dtlab.analysis.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes, optimizer_bytes
+from dtlab.analysis.estimate.sharded import gathered_peak, local_rows, shard_rows
 from dtlab.analysis.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.core.config import RunConfig
 from dtlab.core.muon import assign_owners, is_matrix
-from dtlab.tiers import fsdp as fsdp_tier
 from dtlab.tiers import pipeline
 from dtlab.tiers.pipeline_stages import MULTI_STAGE
 
@@ -42,19 +41,6 @@ def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, ran
     owners = assign_owners([t.numel() for t in matrices], n)
     owned = sum(nbytes(t) for t, o in zip(matrices, owners) if o == rank)
     return owned + sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params if not is_matrix(t))
-
-
-def shard_rows(t: torch.Tensor, world: int) -> int:
-    """FSDP2's padded dim-0 shard of ``t``: ceil(rows / world) rows on every rank."""
-    rows = t.shape[0] if t.dim() else 1
-    return math.ceil(rows / world) * (t.numel() // max(rows, 1)) * t.element_size()
-
-
-def local_rows(t: torch.Tensor, world: int, rank: int) -> int:
-    """Bytes of ``t``'s unpadded dim-0 chunk on ``rank`` (torch.chunk's split: the last ranks may hold less)."""
-    rows = t.shape[0] if t.dim() else 1
-    chunk = math.ceil(rows / world)
-    return max(0, min(chunk, rows - rank * chunk)) * (t.numel() // max(rows, 1)) * t.element_size()
 
 
 def zero_partition(params: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
@@ -114,24 +100,6 @@ def fsdp(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
                      "least loaded rank); AdamW's moments of the rows of the rest")
     return [RankMemory(r, memory | {"optimizer_state": fsdp_optimizer_bytes(cfg, params, n, r % n)}, notes)
             for r in range(cfg.world_size)]
-
-
-def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The fsdp tier's units in forward order (``fsdp.shard_units``), then the root with what is left."""
-    units = [list(m.parameters()) for _, m in fsdp_tier.shard_units(model)]
-    inside = {id(p) for unit in units for p in unit}
-    return [*units, [p for p in model.parameters() if id(p) not in inside]]
-
-
-def gathered_peak(cfg: RunConfig, model: nn.Module) -> int:
-    """Unsharded bytes held at once: the root unit, and one block with the next one prefetched
-    (with ``reshard_after_forward=False``, every block once the forward has run)."""
-    units = [sum(nbytes(p) for p in unit) for unit in fsdp_units(model)]
-    blocks, root = units[:-1], units[-1]
-    if not getattr(cfg.tier_options, "reshard_after_forward", True):
-        return root + sum(blocks)
-    pairs = [a + b for a, b in zip(blocks, blocks[1:])] or blocks or [0]
-    return root + max(pairs)
 
 
 def pipelined(cfg: RunConfig, model: nn.Module, s: acts.Shapes, mode: FakeTensorMode) -> list[RankMemory]:

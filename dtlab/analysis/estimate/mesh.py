@@ -16,7 +16,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.analysis.estimate import activations as acts
-from dtlab.analysis.estimate import memory as mem  # the module, not its names: memory.py imports RULES from here
+from dtlab.analysis.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes
+from dtlab.analysis.estimate.sharded import local_rows, shard_rows
 from dtlab.analysis.estimate.tensor_parallel import _split, localize
 from dtlab.core.config import RunConfig
 from dtlab.tiers import nd as nd_tier
@@ -56,10 +57,10 @@ def stage_activations(cfg: RunConfig, s: acts.Shapes, column: int) -> list[tuple
 def _gathered(stage_params: list[torch.Tensor]) -> int:
     # With M > 1 the pipeline keeps each unit gathered from its first backward to its last (FSDP2's
     # reshard_after_backward is off until the last micro-batch): at the peak the whole stage is whole.
-    return sum(mem.nbytes(p) for p in stage_params)
+    return sum(nbytes(p) for p in stage_params)
 
 
-def nd(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]:
+def nd(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     """nd: rank (p, d, t) holds FSDP2's rows over dp of tensor-parallel rank t's slices of stage p."""
     o = cfg.tier_options
     notes = [f"a {o.pp} x {o.dp} x {o.tp} mesh (pp x dp x tp): the model localized for each tp rank, cut into "
@@ -73,13 +74,13 @@ def nd(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]
     for rank in range(cfg.world_size):
         p, d, t = nd_tier.coordinates(rank, o)
         params, saved = columns[t][p]
-        shard = sum(mem.shard_rows(q, o.dp) for q in params)
+        shard = sum(shard_rows(q, o.dp) for q in params)
         state = 0 if cfg.optimizer != "adam" else sum(
-            2 * mem.local_rows(q, o.dp, d) + mem.ADAM_STEP_BYTES for q in params)
+            2 * local_rows(q, o.dp, d) + ADAM_STEP_BYTES for q in params)
         memory = {"parameters": shard, "gradients": shard, "optimizer_state": state, "activations": saved,
                   "comm_buffers": _gathered(params)}
-        out.append(mem.RankMemory(rank, memory, notes))
+        out.append(RankMemory(rank, memory, notes))
     return out
 
 
-RULES: dict[str, Callable[..., list[mem.RankMemory]]] = {"nd": nd}
+RULES: dict[str, Callable[..., list[RankMemory]]] = {"nd": nd}

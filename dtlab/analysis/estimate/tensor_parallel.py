@@ -25,7 +25,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.analysis.estimate import activations as acts
-from dtlab.analysis.estimate import memory as mem  # the module, not its names: memory.py imports RULES from here
+from dtlab.analysis.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes, optimizer_bytes
+from dtlab.analysis.estimate.sharded import gathered_peak, local_rows, shard_rows
 from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN
@@ -157,7 +158,7 @@ def local_activations(cfg: RunConfig, s: acts.Shapes, options: tp_tier.Options, 
 
 
 # -- the rules ---------------------------------------------------------------------------
-def tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]:
+def tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     """tp: every rank holds its slice of each split parameter and the whole of the rest; every rank runs
     the whole batch through its slices."""
     n, options = cfg.world_size, cfg.tier_options
@@ -171,18 +172,18 @@ def tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[me
     out = []
     for i in range(n):
         locals_ = tp_locals(model, options, n, i)
-        params = [mem.shard_rows(p, n) if dims.get(k) == 0 else mem.nbytes(t)
+        params = [shard_rows(p, n) if dims.get(k) == 0 else nbytes(t)
                   for (k, p), t in zip(model.named_parameters(), locals_.values())]
-        grads = [mem.nbytes(p if k in whole_grad else locals_[k]) for k, p in model.named_parameters()]
+        grads = [nbytes(p if k in whole_grad else locals_[k]) for k, p in model.named_parameters()]
         saved, _ = local_activations(cfg, s, options, n, i, cfg.global_batch_size)
         memory = {"parameters": sum(params), "gradients": sum(grads),
-                  "optimizer_state": mem.optimizer_bytes(cfg, locals_.values()), "activations": saved,
+                  "optimizer_state": optimizer_bytes(cfg, locals_.values()), "activations": saved,
                   "comm_buffers": 0}
-        out.append(mem.RankMemory(i, memory, notes))
+        out.append(RankMemory(i, memory, notes))
     return out
 
 
-def fsdp_tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]:
+def fsdp_tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     """fsdp-tp: rank r = row * tp_size + column; tp within a row as the tp rule, then FSDP2 splits each
     local shard by rows down the column, as the fsdp rule (padded parameters and gradients, exact state)."""
     o = cfg.tier_options
@@ -196,16 +197,16 @@ def fsdp_tensor_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> li
     columns = []
     for t in range(tp):
         saved, local = local_activations(cfg, s, o, tp, t, cfg.global_batch_size // dp)
-        columns.append((list(tp_locals(model, o, tp, t).values()), saved, mem.gathered_peak(cfg, local)))
+        columns.append((list(tp_locals(model, o, tp, t).values()), saved, gathered_peak(cfg, local)))
     out = []
     for r in range(cfg.world_size):
         row, (locals_, saved, gathered) = r // tp, columns[r % tp]
-        shard = sum(mem.shard_rows(p, dp) for p in locals_)
+        shard = sum(shard_rows(p, dp) for p in locals_)
         state = 0 if cfg.optimizer != "adam" else sum(
-            2 * mem.local_rows(p, dp, row) + mem.ADAM_STEP_BYTES for p in locals_)
+            2 * local_rows(p, dp, row) + ADAM_STEP_BYTES for p in locals_)
         memory = {"parameters": shard, "gradients": shard, "optimizer_state": state, "activations": saved,
                   "comm_buffers": gathered}
-        out.append(mem.RankMemory(r, memory, notes))
+        out.append(RankMemory(r, memory, notes))
     return out
 
 
@@ -221,13 +222,13 @@ class _Chunk(nn.Module):
         return cp_tier.chunk_forward(self.model, x, positions, self.attend)
 
 
-def context_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[mem.RankMemory]:
+def context_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     """cp: every rank holds the whole model, its gradients and its state, and runs its positions of the
     sequence of the whole batch: ring attention (its queries against every earlier chunk's keys, passed
     round the ring) or Ulysses (its heads over the whole sequence, exchanged by all-to-alls)."""
     n, o = cfg.world_size, cfg.tier_options
     params = list(model.parameters())
-    p = sum(mem.nbytes(t) for t in params)
+    p = sum(nbytes(t) for t in params)
     chunk = SEQ_LEN // n
     how = ("ring attention saving q, k, v, its output and log-sum-exp" if o.method == "ring" else
            f"Ulysses: SDPA on {cfg.model_heads // n} head(s) of the whole sequence, after an all-to-all")
@@ -247,11 +248,11 @@ def context_parallel(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[m
         attend = cp_tier.attention(o, n, comm)
         positions = cp_layout.positions(i, n, o.balance, SEQ_LEN)
         saved, _ = acts.forward_saved(cfg, mode, _Chunk(fake, positions, attend), [x], [y])
-        memory = {"parameters": p, "gradients": p, "optimizer_state": mem.optimizer_bytes(cfg, params),
+        memory = {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(cfg, params),
                   "activations": saved, "comm_buffers": 0}
-        out.append(mem.RankMemory(i, memory, notes))
+        out.append(RankMemory(i, memory, notes))
     return out
 
 
-RULES: dict[str, Callable[..., list[mem.RankMemory]]] = {
+RULES: dict[str, Callable[..., list[RankMemory]]] = {
     "tp": tensor_parallel, "fsdp-tp": fsdp_tensor_parallel, "cp": context_parallel}
