@@ -14,13 +14,19 @@ from typing import Any
 
 import pytest
 
-from dtlab.exercises._check import Exercise, ExerciseError
+from dtlab.exercises._check import CheckResult, Exercise, ExerciseError, run_check
 from dtlab.launch.local import launch
 
 
 def launches_ranks(test: Callable[..., Any]) -> Callable[..., Any]:
     """Marks a test that starts rank processes: slow, and failed if any rank outlives it."""
     return pytest.mark.slow(pytest.mark.usefixtures("no_survivors")(test))
+
+
+def check(module: Any, fn: Callable[..., Any], world_sizes: tuple[int, ...] = (2,),
+          timeout_s: float = 10.0) -> CheckResult:
+    """``module``'s exercise checked on ``fn`` as a learner's check() would, one launch per world size."""
+    return run_check(module.EXERCISE, fn, world_sizes, timeout_s)
 
 
 def _each(info: Any, on_rank: Callable[..., Any], fns: list[Callable[..., Any]]) -> list[tuple[bool, Any]]:

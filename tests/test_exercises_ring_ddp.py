@@ -26,12 +26,7 @@ from torch.distributed import (
 )
 
 from dtlab.exercises import bucketed_ddp, naive_ddp, ring_allreduce
-from dtlab.exercises._check import CheckResult, run_check
-from tests.exercise_batch import check_each, launches_ranks
-
-
-def check(module, fn, world_sizes=(2,), timeout_s=10.0) -> CheckResult:
-    return run_check(module.EXERCISE, fn, world_sizes, timeout_s)
+from tests.exercise_batch import check, check_each, launches_ranks
 
 
 # -- ring_allreduce ----------------------------------------------------------------------------------------------

@@ -17,15 +17,11 @@ from torch.distributed import all_gather as gather_the_weights
 from torch.distributed import all_gather_into_tensor, all_reduce, get_rank, get_world_size, reduce_scatter_tensor
 
 from dtlab.exercises import fsdp_unit, tp_mlp
-from dtlab.exercises._check import CheckResult, run_check
-from tests.exercise_batch import check_each, launches_ranks
+from tests.exercise_batch import check, check_each, launches_ranks
 
 EXERCISES = (tp_mlp, fsdp_unit)
 NAMES = ["tp_mlp", "fsdp_unit"]
 
-
-def check(module, fn, world_sizes=(2,)) -> CheckResult:
-    return run_check(module.EXERCISE, fn, world_sizes, timeout_s=10)
 
 
 # -- tensor parallelism: communication written as autograd Functions ----------------------------------------------

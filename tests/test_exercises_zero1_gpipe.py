@@ -25,13 +25,7 @@ from torch.distributed import (
 )
 
 from dtlab.exercises import _weigh, gpipe_schedule, zero1_step
-from dtlab.exercises._check import CheckResult, run_check
-from tests.exercise_batch import check_each, launches_ranks
-
-
-def check(module, fn, world_sizes=(2,), timeout_s=10.0) -> CheckResult:
-    return run_check(module.EXERCISE, fn, world_sizes, timeout_s)
-
+from tests.exercise_batch import check, check_each, launches_ranks
 
 # -- zero1_step --------------------------------------------------------------------------------------------------
 BETAS, EPS = (0.9, 0.999), 1e-8
