@@ -55,3 +55,24 @@ def check_each(exercise: Exercise, fns: dict[str, Callable[..., Any]], n: int,
         problem = exercise.judge(n, [rank[i][1] for rank in ranks])
         verdicts[name] = f"World size {n}: {problem}" if problem else "passed"
     return verdicts
+
+
+def verdicts_by_size(wrong: dict[Any, dict[Callable[..., Any], tuple[int, list[str]]]]) -> dict[tuple[Any, str], str]:
+    """Each wrong solution's feedback, ``wrong`` mapping an exercise module to {function: (world size, phrases)}:
+    one launch per exercise and world size for all of them."""
+    out = {}
+    for module, fns in wrong.items():
+        for n in sorted({size for size, _ in fns.values()}):
+            batch = {fn.__name__: fn for fn, (size, _) in fns.items() if size == n}
+            out.update({(module, name): said for name, said in check_each(module.EXERCISE, batch, n).items()})
+    return out
+
+
+def assert_names_its_cause(wrong: dict[Any, dict[Callable[..., Any], tuple[int, list[str]]]], module: Any,
+                           fn: Callable[..., Any], verdicts: dict[tuple[Any, str], str]) -> None:
+    """``fn``'s feedback starts at its world size and holds every phrase its row in ``wrong`` names."""
+    feedback = verdicts[module, fn.__name__]
+    size, phrases = wrong[module][fn]
+    assert feedback.startswith(f"World size {size}: "), feedback
+    for phrase in phrases:
+        assert phrase in feedback, feedback

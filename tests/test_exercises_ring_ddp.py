@@ -26,7 +26,7 @@ from torch.distributed import (
 )
 
 from dtlab.exercises import bucketed_ddp, naive_ddp, ring_allreduce
-from tests.exercise_batch import check, check_each, launches_ranks
+from tests.exercise_batch import assert_names_its_cause, check, launches_ranks, verdicts_by_size
 
 
 # -- ring_allreduce ----------------------------------------------------------------------------------------------
@@ -396,21 +396,13 @@ CASES = [(module, fn) for module, fns in WRONG.items() for fn in fns]
 @pytest.fixture(scope="module")
 def verdicts():
     """Every wrong solution's feedback: one launch per exercise and world size for all of them."""
-    out = {}
-    for module, fns in WRONG.items():
-        for n in sorted({size for size, _ in fns.values()}):
-            batch = {fn.__name__: fn for fn, (size, _) in fns.items() if size == n}
-            out.update({(module, name): said for name, said in check_each(module.EXERCISE, batch, n).items()})
-    return out
+    return verdicts_by_size(WRONG)
 
 
 @launches_ranks
 @pytest.mark.parametrize("module,fn", CASES, ids=[f"{m.EXERCISE.name}-{fn.__name__}" for m, fn in CASES])
 def test_a_wrong_solution_fails_naming_its_cause(module, fn, verdicts):
-    feedback = verdicts[module, fn.__name__]
-    assert feedback.startswith(f"World size {WRONG[module][fn][0]}: "), feedback
-    for phrase in WRONG[module][fn][1]:
-        assert phrase in feedback, feedback
+    assert_names_its_cause(WRONG, module, fn, verdicts)
 
 
 @launches_ranks
