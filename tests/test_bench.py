@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlab.app.bench import parse, run_all, scripts
+from tests import bench_scripts
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 
@@ -65,15 +66,7 @@ def test_the_docs_table_needs_the_full_run(flag):
 
 
 def _common():
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        return importlib.import_module("_common")
-    finally:
-        sys.path.pop(0)
+    return bench_scripts.load("_common")
 
 
 def test_median_interval_narrows_with_rounds_and_says_when_a_target_is_resolved():

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from dtlab.analysis import diloco as judge
+from tests import bench_scripts
 
 
 def _benchmark():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        return importlib.import_module("diloco_link")
-    finally:
-        sys.path.pop(0)
+    return bench_scripts.load("diloco_link")
 
 
 def _curve(losses, seconds_per_point=1.0, samples_per_point=64):

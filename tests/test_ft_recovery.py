@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -20,14 +18,11 @@ from dtlab.launch import lighthouse
 from dtlab.plots.recovery import PART_COLORS, recovery_timeline
 from dtlab.tiers import ft
 from dtlab.train.replicas import replica_agreement
+from tests import bench_scripts
 
 
 def _benchmark():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        return importlib.import_module("ft_recovery")
-    finally:
-        sys.path.pop(0)
+    return bench_scripts.load("ft_recovery")
 
 
 def _rank(replica: int, params: dict[str, torch.Tensor] | None) -> RankResult:

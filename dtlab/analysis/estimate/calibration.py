@@ -27,7 +27,6 @@ __all__ = ["LINK_OPS", "QUICK_BUSY_ROUNDS", "SWEEP_REPEATS", "RoundLinks", "cali
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SWEEP_REPEATS = 7  # per size: the outlier rule and the per-size medians need a handful
 QUICK_BUSY_ROUNDS = 3  # a smoke run: enough to exercise the code, not a measurement
-CALIBRATION_ATTEMPTS = 2  # a fresh sweep once, said aloud, where a stalled one cannot be fitted
 
 
 def calibrate_link(world_size: int = 2, ops: Sequence[str] = LINK_OPS, *, quick: bool = False) -> LinkSet:
@@ -36,16 +35,16 @@ def calibrate_link(world_size: int = 2, ops: Sequence[str] = LINK_OPS, *, quick:
     cannot be fitted (no positive per-byte cost: other work stalled it) is swept once more, with a warning."""
     sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if quick
                       else (collectives.CALIBRATION_SIZES, SWEEP_REPEATS))
-    for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
+
+    def fitted() -> LinkSet:
         sweep = collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True)
-        try:
-            return calibrate_ops(sweep, tuple(ops), label=f"gloo loopback, calibrated at n={world_size}")
-        except ValueError as err:  # a sweep stalled by other work on the machine can leave no per-byte cost
-            if attempt == CALIBRATION_ATTEMPTS:
-                raise
-            warnings.warn(f"calibrate_link: sweep {attempt} could not be fitted ({err}); sweeping again",
-                          stacklevel=2)
-    raise AssertionError("unreachable")
+        return calibrate_ops(sweep, tuple(ops), label=f"gloo loopback, calibrated at n={world_size}")
+
+    try:
+        return fitted()
+    except ValueError as err:  # a sweep stalled by other work on the machine can leave no per-byte cost
+        warnings.warn(f"calibrate_link: sweep 1 could not be fitted ({err}); sweeping again", stacklevel=2)
+    return fitted()
 
 
 class RoundLinks:

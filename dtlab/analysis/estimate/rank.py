@@ -1,7 +1,7 @@
 """One rank's predicted bytes (``RankMemory``) and the counts every memory rule shares.
 
-Apart from ``memory`` so that the rules ``memory.RULES`` gathers (``experts``) import these without
-importing ``memory``, which imports them.
+Apart from ``memory`` so that the rules ``memory.RULES`` gathers (``experts``, ``tensor_parallel``, ``mesh``)
+import these without importing ``memory``, which imports them.
 """
 
 from __future__ import annotations
