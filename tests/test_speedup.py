@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import types
 
 import pandas as pd
 import pytest
@@ -15,6 +16,7 @@ from dtlab.analysis.estimate import calibration, step
 from dtlab.analysis.roofline.cpu import Roofline
 from dtlab.plots import save
 from dtlab.plots.crossover import PREDICTION_LABEL, RETIMED_LABEL, crossing, speedup_curve
+from tests import bench_scripts
 
 NO_ROOFLINE = Roofline({})  # where the estimator's step rule is replaced, the roofline is never read
 
@@ -284,3 +286,12 @@ def test_an_unfittable_calibration_sweep_is_swept_once_more_then_named(monkeypat
     monkeypatch.setattr(calibration.collectives, "sweep", lambda *a, **k: _synthetic_sweep(-1e-12))
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no positive per-byte cost"):
         calibration.calibrate_link(2, quick=True)
+
+
+def test_the_cost_model_benchmark_sweeps_its_calibration_again_where_the_first_cannot_be_fitted(monkeypatch):
+    bench = bench_scripts.load("costmodel_error")
+    sweeps = iter([_synthetic_sweep(-1e-12), _synthetic_sweep(2e-9)])
+    monkeypatch.setattr(bench.collectives, "sweep", lambda *a, **k: next(sweeps))
+    with pytest.warns(UserWarning, match="sweep 1 could not be fitted"):
+        link, fit, sweep = bench.calibrate(types.SimpleNamespace(quick=True))
+    assert link.beta_s_per_byte == pytest.approx(2e-9, rel=1e-3) and len(fit) and len(sweep)

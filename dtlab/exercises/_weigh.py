@@ -6,13 +6,34 @@ from __future__ import annotations
 import collections
 import gc
 import math
+import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
+# how long a scan that found something waits before it looks again: a backend thread lets go within microseconds
+# when it runs, and a loaded machine can delay it tens of milliseconds
+SETTLE_S = 0.2
+
+
+def settled(scan: Callable[[], T], found_any: Callable[[T], bool]) -> T:
+    """``scan()``; where ``found_any`` of it, ``scan()`` once more ``SETTLE_S`` later, and that one counts.
+
+    A collective returns when its result is ready, but the backend's worker thread (gloo's) can hold the finished
+    call, and with it the call's tensors, a moment longer (about 1 call in 4 at 3 ranks here); torch keeps those
+    tensors' Python objects alive meanwhile, so a scan of what is alive can find a buffer the learner let go of.
+    What the learner keeps is still there at the second look; what the backend held is not. (One look again, not
+    many: a scan of every live object takes a good part of a second in a rank.)"""
+    result = scan()
+    if not found_any(result):
+        return result
+    time.sleep(SETTLE_S)
+    return scan()
 
 
 def live_tensors() -> list[torch.Tensor]:
@@ -91,7 +112,12 @@ class Kept:
 
 def kept(state: Any, before: Sequence[torch.Tensor], ours: Sequence[torch.Tensor]) -> Kept:
     """Weigh what a rank keeps: ``before``, the tensors alive before the learner's first call (still referenced,
-    so that no new storage can take their addresses), and ``ours``, the checker's, are not counted."""
+    so that no new storage can take their addresses), and ``ours``, the checker's, are not counted. What is held
+    outside the state dict is looked at again until the backend has let go of its last call (``settled``)."""
+    return settled(lambda: _weigh(state, before, ours), lambda k: k.outside > 0)
+
+
+def _weigh(state: Any, before: Sequence[torch.Tensor], ours: Sequence[torch.Tensor]) -> Kept:
     gc.collect()  # what only a reference cycle still holds is not kept
     skip = {found[0] for t in (*before, *ours) if (found := _storage(t))}
     in_state, other = state_storages(state)

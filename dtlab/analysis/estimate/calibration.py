@@ -16,35 +16,48 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import pandas as pd
 
 from dtlab.analysis import collectives
 from dtlab.analysis.costmodel.busy import BUSY_ROUNDS, with_busy
 from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.analysis.costmodel.linkset import LinkSet, calibrate_ops
 
-__all__ = ["LINK_OPS", "QUICK_BUSY_ROUNDS", "SWEEP_REPEATS", "RoundLinks", "calibrate_link"]
+__all__ = ["LINK_OPS", "QUICK_BUSY_ROUNDS", "SWEEP_REPEATS", "RoundLinks", "calibrate_link", "fitted_sweep"]
 
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SWEEP_REPEATS = 7  # per size: the outlier rule and the per-size medians need a handful
 QUICK_BUSY_ROUNDS = 3  # a smoke run: enough to exercise the code, not a measurement
+Fit = TypeVar("Fit")
+
+
+def fitted_sweep(sweep: Callable[[], pd.DataFrame],
+                 fit: Callable[[pd.DataFrame], Fit]) -> tuple[Fit, pd.DataFrame]:
+    """``fit(sweep())`` and the sweep it fitted. A sweep that cannot be fitted (``fit`` raises ValueError: no
+    positive per-byte cost, as when other work on the machine stalls it) is swept once more, with a warning;
+    the second's error is raised."""
+    frame = sweep()
+    try:
+        return fit(frame), frame
+    except ValueError as err:
+        warnings.warn(f"calibration: sweep 1 could not be fitted ({err}); sweeping again", stacklevel=2)
+    frame = sweep()
+    return fit(frame), frame
 
 
 def calibrate_link(world_size: int = 2, ops: Sequence[str] = LINK_OPS, *, quick: bool = False) -> LinkSet:
     """One link per op in ``ops``, fitted on a sweep of those ops at ``world_size`` (``quick``: a few sizes
     and repeats, a smoke test). ``busy_s`` is not measured here: ``RoundLinks`` adds it per round. A sweep that
-    cannot be fitted (no positive per-byte cost: other work stalled it) is swept once more, with a warning."""
+    cannot be fitted is swept once more (``fitted_sweep``)."""
     sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if quick
                       else (collectives.CALIBRATION_SIZES, SWEEP_REPEATS))
-
-    def fitted() -> LinkSet:
-        sweep = collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True)
-        return calibrate_ops(sweep, tuple(ops), label=f"gloo loopback, calibrated at n={world_size}")
-
-    try:
-        return fitted()
-    except ValueError as err:  # a sweep stalled by other work on the machine can leave no per-byte cost
-        warnings.warn(f"calibrate_link: sweep 1 could not be fitted ({err}); sweeping again", stacklevel=2)
-    return fitted()
+    label = f"gloo loopback, calibrated at n={world_size}"
+    link, _ = fitted_sweep(
+        lambda: collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True),
+        lambda sweep: calibrate_ops(sweep, tuple(ops), label=label))
+    return link
 
 
 class RoundLinks:
