@@ -54,9 +54,11 @@ def test_naive_split_matches_single(microbatches, optimizer):
 
 
 def test_four_stages_match_single():
-    # Adam at lr 0.01: 2.2e-6 from single here (2026-12-06); float64 holds every schedule to 1e-10
-    cfg = job("adam", model_depth=4)
-    assert pipelined(cfg, "1f1b", 4, world_size=4).max_param_diff(single(cfg)) <= TOL
+    # in float64, where a gap above 1e-10 is a bug: in float32 this job (Adam at lr 0.01, 20 steps) is rounding
+    # amplified by Adam and depends on the CPU's kernels: 2.2e-6 from single on one x86_64 model, 1.4e-2 on an
+    # AVX-512 AMD EPYC (every schedule alike, DDP at world 2 3.3e-2; 8e-7 after 5 steps); 2.2e-15 in float64
+    cfg = job("adam", model_depth=4, dtype="float64")
+    assert pipelined(cfg, "1f1b", 4, world_size=4).max_param_diff(single(cfg)) <= 1e-10
 
 
 def test_charformer_blocks_split_matches_single():
