@@ -91,6 +91,12 @@ def test_ft_parts_split_the_fault_into_known_intervals():
                    ("ft: restarted group", "state transfer"): (0.4, 0.45)}
     with pytest.raises(ValueError, match="ft_manager_ready"):  # the killed group never came back
         recovery.ft_parts(_result(events=_ft_events(rejoin=False)))
+    # a short run can end before the group is back: on request, its lane says so up to the run's last event
+    lost = recovery.ft_parts(_result(events=_ft_events(rejoin=False)), label="ft", unfinished=True)
+    lane = lost[lost["lane"] == "ft: restarted group"]
+    assert lane["part"].tolist() == ["detection", recovery.NOT_BACK]
+    assert lane["end_s"].tolist() == pytest.approx([0.05, 0.6])
+    assert recovery_timeline(lost) is not None
 
 
 def test_the_benchmark_check_fails_when_the_killed_group_did_not_rejoin():

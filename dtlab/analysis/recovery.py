@@ -15,6 +15,9 @@ line up on one timeline (``dtlab.plots.recovery.recovery_timeline``). The parts:
   again); lane ``restarted group``: ``detection`` (the launcher sees the
   process gone), ``restart`` (to its new manager beating), ``quorum`` (to its
   first quorum), ``state transfer`` (to the live state loaded from a peer).
+  Where the run ended before that group came back (with torchft's default
+  timeouts a short run can end first), ``ft_parts(..., unfinished=True)`` ends
+  its lane with ``not back by the end`` (to the run's last event).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ import pandas as pd
 from dtlab.analysis import elastic, ft
 from dtlab.core.results import RunResult
 
-__all__ = ["PARTS", "elastic_parts", "ft_parts"]
+__all__ = ["NOT_BACK", "PARTS", "elastic_parts", "ft_parts"]
 
-PARTS = ("detection", "restart", "rendezvous", "quorum", "snapshot load", "state transfer", "redone steps")
+NOT_BACK = "not back by the end"
+PARTS = ("detection", "restart", "rendezvous", "quorum", "snapshot load", "state transfer", "redone steps", NOT_BACK)
+# the restarted ft group's parts, each ending at the first event of its kind after the previous one
+_REJOIN = (("detection", "replica_failed"), ("restart", "ft_manager_ready"), ("quorum", "ft_begin"),
+           ("state transfer", "ft_state_loaded"))
 
 
 def _frame(result: RunResult | pd.DataFrame) -> pd.DataFrame:
@@ -69,9 +76,10 @@ def elastic_parts(result: RunResult | pd.DataFrame, lane: str = "elastic") -> pd
                                          ("redone steps", float(steps["t_s"].min()))]))
 
 
-def ft_parts(result: RunResult | pd.DataFrame, label: str = "ft") -> pd.DataFrame:
+def ft_parts(result: RunResult | pd.DataFrame, label: str = "ft", unfinished: bool = False) -> pd.DataFrame:
     """The first fault of an ft run, part by part, on lanes ``{label}: live group`` and ``{label}: restarted
-    group`` (see the module's docstring). ValueError if the killed group did not come back."""
+    group`` (see the module's docstring). ValueError if the killed group did not come back, unless
+    ``unfinished``: then its lane ends with ``NOT_BACK``, to the run's last event."""
     df = _frame(result)
     fault = ft.recovery(df)[0]
     t0, dead = fault["fault_t"], fault["replica"]
@@ -86,10 +94,14 @@ def ft_parts(result: RunResult | pd.DataFrame, label: str = "ft") -> pd.DataFram
     ordinary = float(steps[steps["committed"]].groupby(["replica", "attempt"])["t_s"].diff().median())
     rows = _rows(f"{label}: live group", t0, [("detection", detected), ("quorum", max(detected, done - ordinary)),
                                                ("redone steps", done)])
-    gone = _first(df, "replica_failed", t0, replica=dead)
-    ready = _first(df, "ft_manager_ready", gone, replica=dead)
-    begin = _first(df, "ft_begin", ready, replica=dead)
-    loaded = _first(df, "ft_state_loaded", begin, replica=dead)
-    rows += _rows(f"{label}: restarted group", t0, [("detection", gone), ("restart", ready), ("quorum", begin),
-                                                    ("state transfer", loaded)])
-    return pd.DataFrame(rows)
+    marks, after = [], t0
+    for part, kind in _REJOIN:
+        try:
+            after = _first(df, kind, after, replica=dead)
+        except ValueError:
+            if not unfinished:
+                raise
+            marks.append((NOT_BACK, float(df["t_s"].max())))
+            break
+        marks.append((part, after))
+    return pd.DataFrame(rows + _rows(f"{label}: restarted group", t0, marks))

@@ -10,7 +10,8 @@ from dtlab.plots.style import bottom_legend, figure, require
 __all__ = ["PART_COLORS", "recovery_timeline"]
 
 PART_COLORS = {"detection": "tab:red", "restart": "tab:orange", "rendezvous": "tab:olive", "quorum": "tab:purple",
-               "snapshot load": "tab:brown", "state transfer": "tab:cyan", "redone steps": "tab:gray"}
+               "snapshot load": "tab:brown", "state transfer": "tab:cyan", "redone steps": "tab:gray",
+               "not back by the end": "lightgray"}
 
 
 def recovery_timeline(parts: pd.DataFrame, title: str = "What one fault cost, part by part") -> Figure:
