@@ -113,7 +113,8 @@ class Kept:
 def kept(state: Any, before: Sequence[torch.Tensor], ours: Sequence[torch.Tensor]) -> Kept:
     """Weigh what a rank keeps: ``before``, the tensors alive before the learner's first call (still referenced,
     so that no new storage can take their addresses), and ``ours``, the checker's, are not counted. What is held
-    outside the state dict is looked at again until the backend has let go of its last call (``settled``)."""
+    outside the state dict is looked at once more, after the backend has had time to let go of its last
+    call (``settled``)."""
     return settled(lambda: _weigh(state, before, ours), lambda k: k.outside > 0)
 
 
