@@ -127,14 +127,19 @@ def test_without_faults_ft_trains_ddps_parameters_and_records_the_cross_replica_
 
 @pytest.mark.usefixtures("nothing_left")
 def test_a_killed_replica_group_rejoins_from_its_peer_and_the_groups_end_equal():
-    result = dtlab.run(_cfg(faults=("kill:8:1",)), progress=False)
+    # Each group's rank sleeps 100 ms a step, so the 15 steps after the fault outlast a restart on a busy
+    # machine (unpaced, 20 ms steps ended before the restarted group was back, 7 in 8 runs with 3 CPU hogs).
+    result = dtlab.run(_cfg(faults=("kill:8:1",)).replace(slow_rank="0:100ms"), progress=False)
     report = ft_runs.report(result)
     assert report["replicas_equal"] and report["replicas_finished"] == [0, 1]
-    per_step = report["participants"]
-    assert per_step[8] == 1 and all(n == 2 for s, n in per_step.items() if s != 8)
-    assert report["missed_steps"] == {0: [], 1: [8]}
     (r,) = report["recovery"]
-    assert r["replica"] == 1 and r["fault_step"] == 8 and r["rejoin_step"] == 8
+    assert r["replica"] == 1 and r["fault_step"] == 8 and 8 <= r["rejoin_step"] < BASE["steps"]
+    # group 0 alone from the fault until the restarted group has healed (at once, or some steps later on
+    # a busy machine: it joins the first quorum after it asks); both groups in every other step
+    alone = list(range(8, r["rejoin_step"] + 1))
+    assert [s for s, n in report["participants"].items() if n == 1] == alone
+    assert set(report["participants"].values()) == {1, 2}
+    assert report["missed_steps"] == {0: [], 1: alone}
     # 1 when group 0's step-8 all-reduce met the dead group; 0 when group 1 died before asking for that quorum
     assert r["redone_steps"] in (0, 1)
     assert 0 < r["recovery_s"] < 30 and 0 <= r["others_lost_s"] < r["recovery_s"] + 1
@@ -145,7 +150,7 @@ def test_a_killed_replica_group_rejoins_from_its_peer_and_the_groups_end_equal()
     # torchft's transport calls its group's send/recv methods, which return a Work: non-blocking transfers
     assert set(recovery[recovery["tag"] == "ft_recovery"]["op"]) == {"isend", "irecv"}
     restarted = [r for r in result.ranks if r.strategy["replica"] == 1][0].strategy
-    assert restarted["attempt"] == 1 and restarted["healed_at"] == 8
+    assert restarted["attempt"] == 1 and restarted["healed_at"] == r["rejoin_step"]
     # the fault's parts, read from the events the restarted group emits on its way back, in order
     parts = fault_parts.ft_parts(result)
     assert list(parts["part"]) == ["detection", "quorum", "redone steps", "detection", "restart", "quorum",

@@ -69,7 +69,9 @@ def test_the_diloco_reference_is_not_the_single_device():
 
 def test_a_replica_group_healed_in_float64_gets_float64_state():
     """A killed group rejoins with its peer's state: a float32 copy on the way would leave the groups apart."""
-    cfg = case("ft 2x1 adam").config.replace(dtype="float64", tier_options=ft.Options(faults=("kill:4:1",)))
+    # 300 ms a step: the 5 steps after the fault outlast a restart on a busy machine (see test_ft's rejoin test)
+    cfg = case("ft 2x1 adam").config.replace(dtype="float64", tier_options=ft.Options(faults=("kill:2:1",)),
+                                             slow_rank="0:300ms")
     result = dtlab.run(cfg, progress=False)
     report = ft_runs.report(result)
     assert [r["replica"] for r in report["recovery"]] == [1]
