@@ -169,3 +169,8 @@ def test_recovery_timeline_draws_each_part_where_the_frame_says():
     assert ax.patches[2].get_facecolor()[:3] == pytest.approx(to_rgb(PART_COLORS["quorum"]))
     with pytest.raises(ValueError, match="unknown part"):
         recovery_timeline(frame.assign(part="nap"))
+
+
+def test_every_part_the_analysis_names_has_a_colour():
+    # the plots layer cannot import the analysis layer's names, so the two spell the parts apart
+    assert set(PART_COLORS) == set(recovery.PARTS)
