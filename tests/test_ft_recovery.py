@@ -11,7 +11,7 @@ import torch
 from matplotlib.colors import to_rgb
 
 from dtlab.analysis import breakeven, recovery
-from dtlab.core.config import RunConfig
+from dtlab.core.config import RunConfig, parse_slow_rank
 from dtlab.core.replica import TIMEOUTS, TORCHFT_TIMEOUTS, TUNED_TIMEOUTS, timeouts
 from dtlab.core.results import RankResult, RunResult, params_to_bytes
 from dtlab.launch import lighthouse
@@ -105,6 +105,18 @@ def test_the_benchmark_check_fails_when_the_killed_group_did_not_rejoin():
     check(_result(*both, events=_ft_events()), 2, killed=1)
     with pytest.raises(RuntimeError, match="group 1 was killed and did not rejoin"):
         check(_result(*both, events=_ft_events(rejoin=False)), 2, killed=1)
+
+
+def test_a_quick_run_paces_every_variant_to_leave_a_restart_seconds_after_the_fault():
+    bench = _benchmark()
+    _, delay_s = parse_slow_rank(bench.QUICK_PACE)
+    # a restart took about 1 s with 8 CPU hogs; unpaced, the live group's 28 steps after the fault took 0.3 s
+    assert (bench.STEPS - bench.FAULT_STEP) * delay_s >= 2.0
+    quick, full = bench.configs(bench.STEPS, bench.QUICK_PACE), bench.configs(bench.STEPS)
+    assert quick.keys() == full.keys()
+    for name, cfg in quick.items():
+        assert cfg.slow_rank == bench.QUICK_PACE and full[name].slow_rank == "", name
+        assert cfg.replace(slow_rank="") == full[name], name  # the pace is the only difference
 
 
 def test_elastic_parts_from_fault_to_the_interrupted_step_done_again():
