@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 # it measures where ddp at world size 2 starts to beat one process as the model grows (crossover.csv, crossover.png).
 demo: $(STAMP)
 	$(PY) -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 --out results/demo
-	$(PY) -m dtlab.analysis.speedup --out results/demo
+	$(PY) -m dtlab.experiments.speedup --out results/demo
 
 test: $(STAMP)
 	$(PY) -m ruff check .

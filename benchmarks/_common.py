@@ -137,7 +137,7 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     """Write ``rows`` (dicts; the columns are the union of their keys, in first-seen order).
 
     A list or tuple (bucket sizes) is written as JSON, ``[4000, 4000, 2000]``:
-    ``costmodel.read_runs`` reads it back as a list of ints.
+    ``ddp_steps.read_runs`` reads it back as a list of ints.
     """
     columns: dict[str, None] = {}
     for row in rows:

@@ -1,6 +1,6 @@
 """Collective bus bandwidth against message size, next to this machine's memory-copy bandwidth.
 
-Runs dtlab.analysis.collectives.sweep (all_reduce, all_gather, reduce_scatter,
+Runs dtlab.cost.links.sweep.sweep (all_reduce, all_gather, reduce_scatter,
 broadcast, send/recv ring) at world size 2 over 1 KiB ... 16 MiB and measures
 ``torch`` tensor-copy bandwidth in the same run. Reported: all_reduce bus
 bandwidth at the largest size as a fraction of the memcpy limit (no target:
@@ -14,7 +14,7 @@ from __future__ import annotations
 import _common as common
 
 from dtlab import plots
-from dtlab.analysis import collectives
+from dtlab.cost.links import sweep as collectives
 
 NAME = "collective_bandwidth"
 

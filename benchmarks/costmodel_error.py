@@ -16,7 +16,7 @@ the DDP step of an MLP (width 1024, depth 3, 8.3 MiB of gradients) from
 n ranks share the machine, the buckets DDP built, that round's ``busy_s`` and
 DDP's overhead measured at world size 1 on another batch (every round's) -- and
 compares with the DDP step measured in the same round, unrecorded. A point's
-error is the median over rounds of each round's error (``costmodel.validate_rounds``):
+error is the median over rounds of each round's error (``ddp_steps.validate_rounds``):
 this machine's speed drifts by 10-25 % within minutes, and a round's prediction
 and measurement drift together. Two bucket
 caps: 25 MB (one bucket, ready only when backward ends) and 2 MB (3 buckets:
@@ -47,9 +47,11 @@ import _common as common
 import pandas as pd
 
 from dtlab import plots
-from dtlab.analysis import collectives, costmodel
-from dtlab.analysis.estimate.calibration import fitted_sweep
 from dtlab.core.config import RunConfig
+from dtlab.cost import links as costmodel
+from dtlab.cost.estimate.calibration import fitted_sweep
+from dtlab.cost.links import sweep as collectives
+from dtlab.experiments import ddp_steps
 from dtlab.launch import netns
 from dtlab.tiers import ddp
 
@@ -123,19 +125,19 @@ def main() -> None:
     cfg = config(args.quick)
     caps = QUICK_BUCKET_CAPS_MB if args.quick else BUCKET_CAPS_MB
     runs, links = measure_rounds(link, common.repeats(args, full=5, quick=1), args.quick,
-                                 lambda: costmodel.measure(cfg, WORLD_SIZES, rounds=1, bucket_caps_mb=caps))
-    df = costmodel.validate_rounds(costmodel.validate, links, runs)
-    df["overhead_s_per_byte"] = [costmodel.overhead_from(runs, cap) for cap in df["bucket_cap_mb"]]
+                                 lambda: ddp_steps.measure(cfg, WORLD_SIZES, rounds=1, bucket_caps_mb=caps))
+    df = ddp_steps.validate_rounds(ddp_steps.validate, links, runs)
+    df["overhead_s_per_byte"] = [ddp_steps.overhead_from(runs, cap) for cap in df["bucket_cap_mb"]]
     busy = [lk.busy_s for lk in links.values()]
     ok, reason = netns.available()
     if ok:
         link_cfg = cfg.replace(tier_options=ddp.Options(bucket_cap_mb=caps[0]))
         mbits = QUICK_LINK_CAPS_MBIT if args.quick else LINK_CAPS_MBIT
         link_runs, capped_links = measure_rounds(link, common.repeats(args, full=3, quick=1), args.quick,
-                                                 lambda: costmodel.measure_links(link_cfg, mbits, rounds=1))
+                                                 lambda: ddp_steps.measure_links(link_cfg, mbits, rounds=1))
         busy += [lk.busy_s for lk in capped_links.values()]
-        linked = costmodel.validate_rounds(costmodel.validate_links, capped_links, link_runs)
-        linked["overhead_s_per_byte"] = costmodel.overhead_from(link_runs, caps[0])
+        linked = ddp_steps.validate_rounds(ddp_steps.validate_links, capped_links, link_runs)
+        linked["overhead_s_per_byte"] = ddp_steps.overhead_from(link_runs, caps[0])
         df = pd.concat([df.assign(link_mbit=float("nan")), linked], ignore_index=True)
         runs = pd.concat([runs, link_runs.assign(source="simulated hosts")], ignore_index=True)
     else:
@@ -149,9 +151,9 @@ def main() -> None:
     common.write_csv(args.out / f"{NAME}_runs.csv", runs.to_dict("records"))
     common.write_csv(args.out / f"{NAME}_sweep.csv", fit.to_dict("records"))
     common.write_csv(args.out / f"{NAME}_repeats.csv", sweep.to_dict("records"))
-    plots.save(plots.predicted_vs_measured(df, tolerance=costmodel.MEDIAN_TARGET), args.out / f"{NAME}.png")
+    plots.save(plots.predicted_vs_measured(df, tolerance=ddp_steps.MEDIAN_TARGET), args.out / f"{NAME}.png")
 
-    s = costmodel.summary(df)
+    s = ddp_steps.summary(df)
     overheads = ", ".join(f"{g * 1e9:.2f}" for g in df.drop_duplicates("bucket_cap_mb")["overhead_s_per_byte"])
     setup = (f"MLP {cfg.model_size}x{cfg.model_depth}, batch {cfg.global_batch_size}, bucket caps "
              f"{'/'.join(f'{c:g}' for c in caps)} MB; {link_text(link, busy)}; DDP overhead {overheads} ns/B")

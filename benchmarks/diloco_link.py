@@ -7,7 +7,7 @@ and fp8 codes. The job: an MLP of width 512 and depth 2 (1.2 MB of parameters), 
 steps for every run: the same 6,400 samples (a DiLoCo step is both groups' halves of one global batch).
 
 Every run is judged by the held-out loss of the model a user would keep: DiLoCo's model right after each
-synchronisation (``evaluate_syncs``), DDP's after every 5 steps (``dtlab.analysis.diloco.ddp_curve``: the job
+synchronisation (``evaluate_syncs``), DDP's after every 5 steps (``dtlab.read.diloco.ddp_curve``: the job
 replayed here, checked against the run's own final evaluation). The target is DDP's held-out loss after its N
 steps on the same link and seed; each run's time to quality is its training time to the first evaluation at or
 below it (``first_reach``, not interpolated), "not reached" when none is. Seeds 0, 1, 2 run interleaved (one
@@ -41,10 +41,10 @@ import _common as common
 import pandas as pd
 
 from dtlab import plots
-from dtlab.analysis import diloco as judge
 from dtlab.core.config import RunConfig
 from dtlab.core.quantise import encoded_bytes
 from dtlab.launch import netns
+from dtlab.read import diloco as judge
 from dtlab.tiers import diloco, multinode
 from dtlab.train import run
 

@@ -8,7 +8,7 @@ keeps every rank and kind. Nothing is fitted: the estimator has no parameters.
 World size 4 on this 2-core machine is oversubscribed, which changes no count.
 
 Step time: one link per collective is calibrated on a sweep of that collective at
-world size 2 (``estimate.calibration``, which the width sweep of ``dtlab.analysis.speedup`` shares:
+world size 2 (``estimate.calibration``, which the width sweep of ``dtlab.experiments.speedup`` shares:
 all_reduce, all_gather, reduce_scatter, broadcast); then in each round what a collective costs beyond
 the link's price for it between a step's compute, slow wake-ups included (``costmodel.with_busy``, after 5 ms and after
 0.5 ms of compute, on a synthetic job of matrix products and all-reduces, never on a step point;
@@ -26,7 +26,7 @@ Each step point is predicted twice in each round: with the compute timed here (`
 the estimator's default: a rank's compute run as the ranks run it) and, for the tiers whose compute is
 the single tier's at a rank's batch (single, ddp, zero), with the compute predicted on this machine's
 measured roofline (``compute=`` the saved ``roofline.json``, measured first if there is none:
-``python -m dtlab.analysis.roofline``), nothing of the job run. The other tiers' rows show no
+``python -m dtlab.cost.roofline``), nothing of the job run. The other tiers' rows show no
 roofline figure.
 
 Prints ``estimate_error.memory_median`` (target <= 0.05), ``estimate_error.memory_worst``
@@ -45,11 +45,11 @@ from collections.abc import Iterator
 
 import _common as common
 
-from dtlab.analysis.estimate import compare, estimate
-from dtlab.analysis.estimate.calibration import RoundLinks, calibrate_link
-from dtlab.analysis.estimate.step import PREDICTED_TIERS
-from dtlab.analysis.roofline.saved import machine_roofline
 from dtlab.core.config import RunConfig
+from dtlab.cost.estimate import compare, estimate
+from dtlab.cost.estimate.calibration import RoundLinks, calibrate_link
+from dtlab.cost.estimate.step import PREDICTED_TIERS
+from dtlab.cost.roofline.saved import machine_roofline
 from dtlab.tiers import pipeline, tp
 from dtlab.train import run
 

@@ -8,14 +8,14 @@ group 1 at step 12, ft under both timeout settings (``ft.Options(timeouts="torch
 
 - time lost per fault: the killed run's training span (first to last finished step, from the run's events)
   minus the clean run's of the same tier and setting;
-- the loss part by part (``dtlab.analysis.recovery``): detection, restart, rendezvous or quorum, snapshot load
+- the loss part by part (``dtlab.read.recovery``): detection, restart, rendezvous or quorum, snapshot load
   or state transfer, redone steps; the medians over rounds drawn on one timeline (``ft_recovery.png``, its
   data ``ft_recovery_parts.csv``);
 - cost per step without faults: the clean runs' median step (slowest rank, ``steps_frame``), ft against ddp
   and elastic, and the span per step that the time lost is measured on;
 - samples lost: the committed steps with fewer groups x the missing share of the global batch.
 
-The break-even fault interval (``dtlab.analysis.breakeven``) follows from the medians: ft finishes first while
+The break-even fault interval (``dtlab.cost.goodput``) follows from the medians: ft finishes first while
 faults come more often than every N steps; in hours at this run's step and at STATED_STEP_S.
 
 Checks that fail the benchmark (``check_ft``): a killed group that did not rejoin, a group that did not
@@ -36,13 +36,14 @@ from typing import Any
 import _common as common
 import pandas as pd
 
-from dtlab.analysis import breakeven, recovery
-from dtlab.analysis import elastic as elastic_runs
-from dtlab.analysis import ft as ft_runs
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RunResult
+from dtlab.cost import goodput as breakeven
 from dtlab.plots import save
 from dtlab.plots.recovery import recovery_timeline
+from dtlab.read import elastic as elastic_runs
+from dtlab.read import ft as ft_runs
+from dtlab.read import recovery
 from dtlab.tiers import elastic, ft
 from dtlab.train import run
 from dtlab.train.replicas import replica_agreement
@@ -155,7 +156,7 @@ def summarise(rows: list[dict], quick: bool) -> list[str]:
         v = f"ft_{setting}"
         ratios = common.ratios(rows, f"{v}_killed", "elastic_killed", "lost_s")
         ratio, lost_f = common.median(ratios), _med(rows, f"{v}_killed", "lost_s")
-        n = breakeven.break_even_steps(max(lost_e, 0.0), max(lost_f, 0.0), step_e, _med(rows, v, "span_step_s"))
+        n = breakeven.break_even_steps(_med(rows, v, "span_step_s") - step_e, max(lost_e, 0.0) - max(lost_f, 0.0))
         lines.append(common.result_line(
             f"{NAME}[{setting} timeouts]", ratio, f"<= {TARGET}", quick=quick, passed=ratio <= TARGET,
             detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(ratios)}; medians: "

@@ -30,8 +30,8 @@ import _common as common
 import pandas as pd
 
 from dtlab import plots
-from dtlab.analysis import linksweep
 from dtlab.core.config import RunConfig
+from dtlab.experiments import linksweep
 from dtlab.launch import netns
 
 NAME = "link_sweep"

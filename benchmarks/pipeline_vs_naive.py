@@ -34,8 +34,9 @@ import pandas as pd
 from matplotlib.ticker import NullLocator
 
 from dtlab import plots
-from dtlab.analysis import pipeline as pipeline_analysis
 from dtlab.core.config import RunConfig
+from dtlab.cost import pipeline as pipeline_cost
+from dtlab.read import pipeline as pipeline_analysis
 from dtlab.tiers import pipeline
 from dtlab.train import run
 
@@ -76,8 +77,8 @@ def variant(key: str, cfg: RunConfig, steps_out: list):
             bubble = pipeline_analysis.bubble_frame(result)
             first = result.steady(WARMUP_STEPS)["step"].min()
             row["idle_fraction"] = float(bubble[bubble["step"] >= first]["idle_fraction"].median())
-            row["ideal_idle_fraction"] = pipeline_analysis.ideal_bubble(o.schedule, STAGES, o.microbatches)
-            # what the recorded sends and receives explain of the idle time (see analysis.pipeline.transfer_share)
+            row["ideal_idle_fraction"] = pipeline_cost.ideal_bubble(o.schedule, STAGES, o.microbatches)
+            # what the recorded sends and receives explain of the idle time (see read.pipeline.transfer_share)
             row["transfer_share"], row["idle_in_transfer"], row["idle_in_arrival"] = \
                 pipeline_analysis.transfer_share(result)
         return row

@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:  # dtlab.widgets on first use: ipywidgets is 
     if name == "exercises":
         return importlib.import_module("dtlab.exercises")
     if name == "estimate":  # pandas and fake tensors: loaded when asked for
-        return importlib.import_module("dtlab.analysis.estimate").estimate
+        return importlib.import_module("dtlab.cost.estimate").estimate
     if name == "predict":
         return importlib.import_module("dtlab.app.predict").predict
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from dtlab.analysis.stragglers import straggler
 from dtlab.exercises import CheckResult, _progress, bugzoo
 from dtlab.exercises.bugzoo import collective_order, kit, rank_branch, skipped_collective, stuck_rank
+from dtlab.read.stragglers import straggler
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
 NAMES = ("seed", "set_epoch", "rank_branch", "unused_parameter", "uneven_batches", "straggler", "skipped_collective",

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtlab.analysis import collectives
+from dtlab.cost.links import sweep as collectives
 
 
 @pytest.mark.usefixtures("no_survivors")

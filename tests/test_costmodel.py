@@ -11,10 +11,11 @@ import pandas as pd
 import pytest
 
 from dtlab import plots
-from dtlab.analysis import collectives
-from dtlab.analysis import costmodel as cm
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RankResult, RunResult
+from dtlab.cost import links as cm
+from dtlab.cost.links import sweep as collectives
+from dtlab.experiments import ddp_steps
 from dtlab.plots import costmodel as costmodel_plots
 from dtlab.tiers import ddp
 
@@ -334,8 +335,8 @@ def synthetic_runs(measured_n2: float) -> pd.DataFrame:
 
 def test_validation_never_uses_the_measured_ddp_time_to_predict():
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
-    a = cm.validate(link, synthetic_runs(0.020), cores=2)
-    b = cm.validate(link, synthetic_runs(0.040), cores=2)
+    a = ddp_steps.validate(link, synthetic_runs(0.020), cores=2)
+    b = ddp_steps.validate(link, synthetic_runs(0.040), cores=2)
     assert list(a["world_size"]) == [1, 2, 4]
     assert np.allclose(a["predicted_s"], b["predicted_s"])
     half = {k: v / 2 for k, v in PHASES.items()}
@@ -343,12 +344,12 @@ def test_validation_never_uses_the_measured_ddp_time_to_predict():
     expected = cm.predict_ddp_step(half, [4000, 4000, 2000], link, 2, overhead_s=0.001, overlap=False).step_s
     assert a.loc[a["world_size"] == 2, "predicted_s"].iloc[0] == pytest.approx(expected)
     assert a.loc[a["world_size"] == 2, "error"].iloc[0] == pytest.approx(abs(expected / 0.020 - 1))
-    spare = cm.validate(link, synthetic_runs(0.020), cores=8)  # a core to spare: the first buckets hide
+    spare = ddp_steps.validate(link, synthetic_runs(0.020), cores=8)  # a core to spare: the first buckets hide
     overlapped = cm.predict_ddp_step(half, [4000, 4000, 2000], link, 2, overhead_s=0.001).step_s
     assert spare.loc[spare["world_size"] == 2, "predicted_s"].iloc[0] == pytest.approx(overlapped)
     assert overlapped < expected
     assert list(a["oversubscribed"]) == [False, False, True] and list(a["counted"]) == [True, True, False]
-    assert plots.predicted_vs_measured(a, tolerance=cm.MEDIAN_TARGET) is not None
+    assert plots.predicted_vs_measured(a, tolerance=ddp_steps.MEDIAN_TARGET) is not None
 
 
 def test_validation_per_bucket_cap_uses_that_caps_overhead():
@@ -359,7 +360,7 @@ def test_validation_per_bucket_cap_uses_that_caps_overhead():
         rows += [{**run_row("ddp", 2, 32, 0.03, buckets=buckets), "bucket_cap_mb": cap},
                  {**run_row("overhead_ddp", 1, 8, overhead_step, buckets=buckets), "bucket_cap_mb": cap}]
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
-    df = cm.validate(link, pd.DataFrame(rows), cores=2).set_index("bucket_cap_mb")
+    df = ddp_steps.validate(link, pd.DataFrame(rows), cores=2).set_index("bucket_cap_mb")
     assert df.loc[25.0, "overhead_s"] == pytest.approx(0.002) and df.loc[0.004, "overhead_s"] == pytest.approx(0.001)
     one = cm.predict_ddp_step(half, [10000], link, 2, overhead_s=0.002)
     assert df.loc[25.0, "predicted_s"] == pytest.approx(one.step_s)
@@ -376,7 +377,7 @@ def test_validation_round_by_round_pairs_each_rounds_prediction_with_its_measure
     runs = pd.concat([synthetic_runs(0.020), slow.assign(round=1)], ignore_index=True)
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
     links = {0: link, 1: dataclasses.replace(link, busy_s=1e-3)}
-    df = cm.validate_rounds(cm.validate, links, runs, cores=2).set_index("world_size")
+    df = ddp_steps.validate_rounds(ddp_steps.validate, links, runs, cores=2).set_index("world_size")
     half = {k: v / 2 for k, v in PHASES.items()}
     overhead = 0.0015  # (median 16.5 ms - median 15 ms) over 10000 gradient bytes, both rounds
     predicted = [cm.predict_ddp_step({k: v * scale for k, v in half.items()}, [4000, 4000, 2000], links[r], 2,
@@ -387,24 +388,25 @@ def test_validation_round_by_round_pairs_each_rounds_prediction_with_its_measure
     assert df.loc[2, "predicted_s"] == pytest.approx(sum(predicted) / 2)
     assert df.loc[2, "measured_s"] == pytest.approx(0.030) and df.loc[2, "measured_spread_s"] == pytest.approx(0.020)
     assert df.loc[2, "rounds"] == 2 and list(df.index) == [1, 2, 4]
-    assert cm.summary(df.reset_index())["counted"] == 2
+    assert ddp_steps.summary(df.reset_index())["counted"] == 2
     with pytest.raises(ValueError, match=r"no link for round\(s\) \[1\]"):
-        cm.validate_rounds(cm.validate, {0: link}, runs, cores=2)
+        ddp_steps.validate_rounds(ddp_steps.validate, {0: link}, runs, cores=2)
 
 
 def test_runs_read_back_from_csv_keep_typed_bucket_sizes(tmp_path):
     runs = synthetic_runs(0.020)
     path = tmp_path / "runs.csv"
     runs.assign(bucket_sizes_bytes=[json.dumps(v) for v in runs["bucket_sizes_bytes"]]).to_csv(path, index=False)
-    back = cm.read_runs(path)
+    back = ddp_steps.read_runs(path)
     assert list(back["bucket_sizes_bytes"]) == list(runs["bucket_sizes_bytes"])
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-6)
-    assert np.allclose(cm.validate(link, back, cores=2)["predicted_s"], cm.validate(link, runs, cores=2)["predicted_s"])
+    assert np.allclose(ddp_steps.validate(link, back, cores=2)["predicted_s"],
+                       ddp_steps.validate(link, runs, cores=2)["predicted_s"])
     old = tmp_path / "old.csv"  # written before the sizes were typed: space-separated, empty for compute rows
     runs.assign(bucket_sizes_bytes=[" ".join(map(str, v)) for v in runs["bucket_sizes_bytes"]]).to_csv(old, index=False)
-    assert list(cm.read_runs(old)["bucket_sizes_bytes"]) == list(runs["bucket_sizes_bytes"])
+    assert list(ddp_steps.read_runs(old)["bucket_sizes_bytes"]) == list(runs["bucket_sizes_bytes"])
     with pytest.raises(ValueError, match="read_runs"):  # text that was never parsed is named, not misread
-        cm.validate(link, runs.assign(bucket_sizes_bytes="4000 4000 2000"), cores=2)
+        ddp_steps.validate(link, runs.assign(bucket_sizes_bytes="4000 4000 2000"), cores=2)
 
 
 def test_capped_link_takes_the_slower_bandwidth_and_keeps_alpha():
@@ -423,24 +425,24 @@ def test_validate_links_predicts_each_cap_from_the_loopback_link_only():
     for mbit, measured in ((1000.0, 0.03), (200.0, 0.09)):
         rows.append({**run_row("ddp", 2, 32, measured, buckets=[10000]), "bucket_cap_mb": 25.0, "link_mbit": mbit})
     link = cm.LinkModel(alpha_s=0.5e-3, beta_s_per_byte=1e-9)
-    df = cm.validate_links(link, pd.DataFrame(rows), cores=2).set_index("link_mbit")
+    df = ddp_steps.validate_links(link, pd.DataFrame(rows), cores=2).set_index("link_mbit")
     for mbit in (1000.0, 200.0):
         expected = cm.predict_ddp_step(half, [10000], cm.capped(link, mbit), 2, overhead_s=0.001).step_s
         assert df.loc[mbit, "predicted_s"] == pytest.approx(expected)
     assert df.loc[200.0, "label"] == "n=2, 200 Mbit/s simulated hosts"
     assert df.loc[1000.0, "label"] == "n=2, 1 Gbit/s simulated hosts"
     with pytest.raises(ValueError, match="no link_mbit column"):
-        cm.validate_links(link, synthetic_runs(0.02))
+        ddp_steps.validate_links(link, synthetic_runs(0.02))
 
 
 def test_summary_counts_only_counted_points():
     df = pd.DataFrame({"error": [0.05, 0.10, 0.90], "counted": [True, True, False]})
-    s = cm.summary(df)
+    s = ddp_steps.summary(df)
     assert s["median_error"] == pytest.approx(0.075) and s["max_error"] == pytest.approx(0.10)
     assert s["passed"] and s["counted"] == 2 and s["reported"] == 3
-    assert not cm.summary(df.assign(counted=True))["max_ok"]
+    assert not ddp_steps.summary(df.assign(counted=True))["max_ok"]
     with pytest.raises(ValueError, match="counted"):
-        cm.summary(df.assign(counted=False))
+        ddp_steps.summary(df.assign(counted=False))
 
 
 # -- steady state ------------------------------------------------------------------------------------------
@@ -500,22 +502,20 @@ def test_split_buckets():
 # -- one real run ---------------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("no_survivors")
 def test_end_to_end_calibrate_predict_measure_at_world_size_2():
-    from dtlab.analysis import collectives
-
     sweep = collectives.sweep(2, ops=("all_reduce",), sizes=(4096, 65536, 1 << 20, 4 << 20), repeats=5)
     link = cm.calibrate(sweep)
     assert link.alpha_s >= 0 and 1e6 < link.bandwidth_bytes_per_s < 1e12
     cfg = RunConfig(tier="ddp", world_size=2, model="mlp", model_size=512, model_depth=2, dataset="synthetic",
                     dataset_size=512, global_batch_size=32, steps=30, optimizer="sgd", threads_per_rank=1,
                     tier_options=ddp.Options(bucket_cap_mb=0.25))  # 1.2 MB of gradients in 3 buckets
-    runs = cm.measure(cfg, world_sizes=(2,), rounds=1)
+    runs = ddp_steps.measure(cfg, world_sizes=(2,), rounds=1)
     assert set(runs["role"]) == {"compute", "ddp", "overhead_single", "overhead_ddp"}
     compute = runs[runs["role"] == "compute"].iloc[0]  # timed in two copies at once, as the two ranks compute
     assert compute["copies"] == 2 and compute["threads_per_rank"] == 1 and compute["per_rank_batch"] == 16
     assert compute["step_s"] == pytest.approx(sum(compute[p] for p in cm.COMPUTE_PHASES)) and compute["backward"] > 0
     sizes = runs.loc[runs["role"] == "ddp", "bucket_sizes_bytes"].iloc[0]  # typed, as the ddp tier reports them
     assert isinstance(sizes, list) and len(sizes) >= 2 and all(type(b) is int for b in sizes)
-    df = cm.validate(link, runs)
+    df = ddp_steps.validate(link, runs)
     row = df.iloc[0]
     assert row["world_size"] == 2 and row["buckets"] >= 2 and row["comm_s"] > 0
     assert math.isfinite(row["predicted_s"]) and row["predicted_s"] > row["compute_s"]

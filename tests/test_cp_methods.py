@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from dtlab import RunConfig
-from dtlab.analysis.context_parallel import attention_bytes, bytes_table, recorded_bytes, work_table
 from dtlab.app.cli import main as cli_main
 from dtlab.core import models
 from dtlab.core.data import SEQ_LEN
 from dtlab.core.job import build_job
 from dtlab.core.results import RunResult
+from dtlab.cost.cp import attention_bytes
+from dtlab.experiments.cp_work import work_table
+from dtlab.read.cp import bytes_table, recorded_bytes
 from dtlab.tiers import cp
 from dtlab.train import run
 from tests.parity import TOL, job

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import dtlab
-from dtlab.analysis import diloco as judge
 from dtlab.app import cli
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
@@ -14,6 +13,7 @@ from dtlab.core.failures import RankError
 from dtlab.core.quantise import encoded_bytes
 from dtlab.core.results import max_param_diff
 from dtlab.launch import netns
+from dtlab.read import diloco as judge
 from dtlab.tiers import diloco
 
 BASE = dict(world_size=2, model_size=64, steps=20, threads_per_rank=1, optimizer="adam")

@@ -1,4 +1,4 @@
-"""dtlab.analysis.diloco and diloco_link's own checks: held-out curves judged like for like."""
+"""dtlab.read.diloco and diloco_link's own checks: held-out curves judged like for like."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from dtlab.analysis import diloco as judge
+from dtlab.read import diloco as judge
 from tests import bench_scripts
 
 

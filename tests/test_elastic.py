@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import dtlab
-from dtlab.analysis import elastic as elastic_runs
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import RankError
+from dtlab.read import elastic as elastic_runs
 from dtlab.tiers import elastic
 from dtlab.train import preflight
 

@@ -7,10 +7,10 @@ import functools
 import pytest
 
 from dtlab import RunConfig, run
-from dtlab.analysis import experts as ex
-from dtlab.analysis.estimate import compare, estimate
-from dtlab.analysis.estimate import experts as estimate_experts
 from dtlab.core.results import RunResult
+from dtlab.cost.estimate import compare, estimate
+from dtlab.cost.estimate import experts as estimate_experts
+from dtlab.read import ep as ex
 from dtlab.tiers.ep import Options
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_survivors")]

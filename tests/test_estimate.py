@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from dtlab import RunConfig, run
-from dtlab.analysis.estimate import KINDS, compare, estimate
-from dtlab.analysis.estimate.activations import activation_bytes, shapes
-from dtlab.analysis.estimate.memory import ADAM_STEP_BYTES, zero_partition
 from dtlab.app.cli import main
 from dtlab.core import models
 from dtlab.core.job import build_job
 from dtlab.core.memory import SavedActivations
+from dtlab.cost.estimate import KINDS, compare, estimate
+from dtlab.cost.estimate.activations import activation_bytes, shapes
+from dtlab.cost.estimate.memory import ADAM_STEP_BYTES, zero_partition
 from dtlab.tiers import ddp, fsdp, pipeline
 
 JOBS = {
@@ -142,15 +142,15 @@ def test_step_time_needs_a_link_and_says_so():
 def fixed_loop(monkeypatch):
     """A rank's loop phases fixed: the rules are checked on set compute times, since timed ones on a loaded
     machine could reorder them."""
-    from dtlab.analysis.estimate import probe
+    from dtlab.cost.estimate import probe
 
     monkeypatch.setattr(probe, "loop_phases", lambda cfg, copies: {"data": 1e-4, "forward": 1e-3,
                                                                    "backward": 2e-3, "optimizer": 5e-4})
 
 
 def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatch, fixed_loop):
-    from dtlab.analysis.costmodel.links import LinkModel
-    from dtlab.analysis.estimate import compute
+    from dtlab.cost.estimate import compute
+    from dtlab.cost.links.alpha_beta import LinkModel
 
     stage = {"forward": 1e-3, "backward": 2e-3, "optimizer": 1e-4, "out_bytes": 4096.0}
     monkeypatch.setattr(compute, "stage_phases", lambda cfg, ranks=1: [dict(stage), dict(stage)])
@@ -166,8 +166,8 @@ def test_step_time_grows_with_a_slower_link_and_naive_pays_the_bubble(monkeypatc
 def test_busy_s_is_paid_once_per_collective_the_training_thread_blocks_on(monkeypatch, fixed_loop):
     import dataclasses
 
-    from dtlab.analysis.costmodel.links import LinkModel
-    from dtlab.analysis.estimate import compute, probe
+    from dtlab.cost.estimate import compute, probe
+    from dtlab.cost.links.alpha_beta import LinkModel
 
     monkeypatch.setattr(compute, "copy_seconds_per_byte", lambda: 1e-10)  # timed otherwise: fixed here
     collectives = [("all_gather_into_tensor", 4096, 2)] * 4 + [("reduce_scatter_tensor", 4096, 2), ("barrier", 0, 2),
@@ -204,8 +204,8 @@ def test_a_probed_tier_at_world_one_is_its_own_probe_with_nothing_to_pay(monkeyp
     one moves nothing and waits for no one."""
     import dataclasses
 
-    from dtlab.analysis.costmodel.links import LinkModel
-    from dtlab.analysis.estimate import probe
+    from dtlab.cost.estimate import probe
+    from dtlab.cost.links.alpha_beta import LinkModel
 
     alone = [("all_gather_into_tensor", 4096, 1), ("reduce_scatter_tensor", 4096, 1)]
     monkeypatch.setattr(probe, "probe", lambda cfg: probe.Probe(0.0123, {}, alone))
@@ -215,14 +215,14 @@ def test_a_probed_tier_at_world_one_is_its_own_probe_with_nothing_to_pay(monkeyp
 
 
 def test_the_pipeline_bubble_follows_the_schedule():
-    from dtlab.analysis.estimate.step import schedule_seconds
+    from dtlab.cost.estimate.step import schedule_seconds
 
     assert schedule_seconds([1.0, 3.0], 4, "naive") == 16.0
     assert schedule_seconds([1.0, 3.0], 4, "gpipe") == schedule_seconds([1.0, 3.0], 4, "1f1b") == 3 * 3.0 + 4.0
 
 
 def test_probe_prices_a_links_own_collectives():
-    from dtlab.analysis.estimate.probe import link_op
+    from dtlab.cost.estimate.probe import link_op
 
     assert [link_op(op) for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "isend",
                                    "irecv", "barrier")] == ["all_gather", "reduce_scatter", "all_reduce",
@@ -233,9 +233,9 @@ def test_probe_prices_a_links_own_collectives():
 def test_fake_backend_probe_sees_the_tiers_own_collectives(no_survivors):
     """FSDP2 and tp run on torch's fake backend at world 2: the collectives they call per step are the ones the
     tiers' rules say (an all-gather per unit and pass, a reduce-scatter per unit; Megatron's all-reduces)."""
-    from dtlab.analysis.costmodel.links import LinkModel
-    from dtlab.analysis.estimate.probe import probe
-    from dtlab.analysis.tensor_parallel import textbook_collectives
+    from dtlab.cost.estimate.probe import probe
+    from dtlab.cost.links.alpha_beta import LinkModel
+    from dtlab.cost.tp import textbook_collectives
 
     cfg = RunConfig(tier="fsdp", world_size=2, model_size=64, model_depth=2, steps=4)
     units = len(fsdp.shard_units(build_job(cfg, torch.device("meta"))[0]))  # the mlp's root holds no parameters

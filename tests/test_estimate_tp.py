@@ -8,10 +8,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab import RunConfig, run
-from dtlab.analysis.estimate import activations as acts
-from dtlab.analysis.estimate import compare, estimate
-from dtlab.analysis.estimate import memory as mem
-from dtlab.analysis.estimate.tensor_parallel import RULES, localize, shard_dims, share, tp_locals
+from dtlab.cost.estimate import activations as acts
+from dtlab.cost.estimate import compare, estimate
+from dtlab.cost.estimate import memory as mem
+from dtlab.cost.estimate.tensor_parallel import RULES, localize, shard_dims, share, tp_locals
 from dtlab.tiers import cp, fsdp, fsdp_tp, tp
 
 TEXT = {"model": "charformer", "dataset": "text", "model_size": 32}

@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 import dtlab
-from dtlab.analysis import flight
-from dtlab.analysis.flight_crosscheck import crosscheck
 from dtlab.app import cli
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import CollectiveTimeout, RankFailure
@@ -27,6 +25,8 @@ from dtlab.launch.contract import LaunchOptions, launch_error
 from dtlab.launch.flight import DIR_ENV
 from dtlab.launch.torchrun import launch_torchrun
 from dtlab.launch.workdir import result_path
+from dtlab.read import flight
+from dtlab.read.flight import crosscheck
 
 launches_ranks = pytest.mark.usefixtures("no_survivors")  # (conftest marks these slow)
 T0 = 1_800_000_000.0  # a wall-clock second for the synthetic dumps

@@ -8,9 +8,9 @@ import pytest
 from torch import nn
 
 from dtlab import RunConfig
-from dtlab.analysis.estimate import compare, estimate
-from dtlab.analysis.fsdp import comm_exposure
 from dtlab.core.models import build
+from dtlab.cost.estimate import compare, estimate
+from dtlab.read.fsdp import comm_exposure
 from dtlab.tiers import base
 from dtlab.tiers.fsdp import Options, shard_units
 from dtlab.train import preflight, run

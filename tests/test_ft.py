@@ -7,14 +7,14 @@ import psutil
 import pytest
 
 import dtlab
-from dtlab.analysis import ft as ft_runs
-from dtlab.analysis import recovery as fault_parts
 from dtlab.app import cli
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import RankError
 from dtlab.launch import lighthouse
 from dtlab.launch.contract import LaunchStopped
+from dtlab.read import ft as ft_runs
+from dtlab.read import recovery as fault_parts
 from dtlab.tiers import ft, replicas
 from dtlab.train import preflight
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dtlab import plots
-from dtlab.analysis import ft as ft_runs
 from dtlab.instrument.recorder import CommRecorder, active, tag_methods
+from dtlab.read import ft as ft_runs
 
 from .test_plots import assert_png
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 from matplotlib.colors import to_rgb
 
-from dtlab.analysis import breakeven, recovery
 from dtlab.core.config import RunConfig, parse_slow_rank
 from dtlab.core.replica import TIMEOUTS, TORCHFT_TIMEOUTS, TUNED_TIMEOUTS, timeouts
 from dtlab.core.results import RankResult, RunResult, params_to_bytes
+from dtlab.cost import goodput as breakeven
 from dtlab.launch import lighthouse
 from dtlab.plots.recovery import PART_COLORS, recovery_timeline
+from dtlab.read import recovery
 from dtlab.tiers import ft
 from dtlab.train.replicas import replica_agreement
 from tests import bench_scripts
@@ -140,14 +141,14 @@ def test_elastic_parts_from_fault_to_the_interrupted_step_done_again():
 
 def test_break_even_and_samples_lost_on_known_numbers():
     # elastic loses 3.0 s per fault, ft 0.5 s; ft's step costs 5 ms more: even at one fault per 500 steps
-    assert breakeven.break_even_steps(3.0, 0.5, 0.010, 0.015) == pytest.approx(500.0)
+    assert breakeven.break_even_steps(0.005, 2.5) == pytest.approx(500.0)
     assert breakeven.break_even_hours(500.0, 1.8) == pytest.approx(0.25)
-    assert breakeven.break_even_steps(3.0, 5.0, 0.010, 0.015) == 0.0  # loses more per fault: never pays
-    assert breakeven.break_even_steps(3.0, 0.5, 0.015, 0.010) == math.inf  # cheaper steps too: always pays
+    assert breakeven.break_even_steps(0.005, -2.0) == 0.0  # loses more per fault: never pays
+    assert breakeven.break_even_steps(-0.005, 2.5) == math.inf  # cheaper steps too: always pays
     # 4 groups, batch 64: a step with 3 leaves out 16 samples, one with 2 leaves 32
     assert breakeven.samples_lost([4, 3, 4, 2], groups=4, global_batch=64) == 48.0
-    for bad, match in (((-1.0, 0.5, 0.01, 0.02), "lost_base_s=-1.0"), ((1.0, 0.5, 0.0, 0.02), "step_base_s=0.0"),
-                       ((1.0, float("nan"), 0.01, 0.02), "lost_ft_s=nan")):
+    for bad, match in (((float("inf"), 0.5), "extra_step_s=inf"), ((0.01, float("nan")), "saved_per_fault_s=nan"),
+                       ((0.01, "2"), "saved_per_fault_s='2'")):
         with pytest.raises(ValueError, match=match):
             breakeven.break_even_steps(*bad)
     with pytest.raises(ValueError, match="participants 5"):
@@ -184,5 +185,5 @@ def test_recovery_timeline_draws_each_part_where_the_frame_says():
 
 
 def test_every_part_the_analysis_names_has_a_colour():
-    # the plots layer cannot import the analysis layer's names, so the two spell the parts apart
+    # the plots layer cannot import the read layer's names, so the two spell the parts apart
     assert set(PART_COLORS) == set(recovery.PARTS)

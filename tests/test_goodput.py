@@ -8,8 +8,9 @@ import random
 import pandas as pd
 import pytest
 
-from dtlab.analysis import goodput, goodput_measure
-from dtlab.analysis import goodput_model as gm
+from dtlab.cost import goodput as gm
+from dtlab.experiments import goodput
+from dtlab.experiments import goodput as goodput_measure
 from dtlab.plots.goodput import goodput_figure
 
 

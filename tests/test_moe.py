@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from dtlab import RunConfig
-from dtlab.analysis import experts as ex
-from dtlab.analysis.estimate import estimate
-from dtlab.analysis.estimate.activations import activation_bytes, shapes
 from dtlab.app.cli import main
 from dtlab.core import models
 from dtlab.core.job import build_job
 from dtlab.core.memory import SavedActivations
 from dtlab.core.moe import MoE, Routing, balance_loss
 from dtlab.core.results import RankResult, RunResult
+from dtlab.cost.estimate import estimate
+from dtlab.cost.estimate.activations import activation_bytes, shapes
 from dtlab.plots import experts as figs
+from dtlab.read import ep as ex
 from dtlab.tiers.ep import Options as EpOptions
 
 MOE = dict(model="moe", dataset="text", model_size=32, global_batch_size=8)
@@ -166,8 +166,8 @@ def test_expert_figures_draw():
 
 
 def test_the_planner_knows_mixtral_and_shares_its_experts_out():
-    from dtlab.analysis import planner as P
-    from dtlab.analysis.planner.search import Layout, check_layout, memory
+    from dtlab.cost import planner as P
+    from dtlab.cost.planner.search import Layout, check_layout, memory
 
     m = P.MIXTRAL_8X7B
     assert m.parameters() == 46_702_792_704  # Mixtral's 46.7B

@@ -164,7 +164,7 @@ def test_delayed_link_holds_every_message_its_delay_each_way():
 
 def test_link_sweep_shows_compression_recovering_a_slow_link():
     _namespaces_required()
-    from dtlab.analysis import linksweep
+    from dtlab.experiments import linksweep
 
     base = RunConfig(tier="ddp", **{**BASE, "steps": 10})
     df = linksweep.link_sweep(base, caps_mbit=(200,), hooks=("allreduce", "fp16"), progress=None)
@@ -182,7 +182,7 @@ def test_link_sweep_shows_compression_recovering_a_slow_link():
 
 
 def test_link_sweep_refuses_bad_input_and_says_why_without_root(monkeypatch):
-    from dtlab.analysis import linksweep
+    from dtlab.experiments import linksweep
 
     base = RunConfig(tier="ddp", **BASE)
     with pytest.raises(ValueError, match="caps_mbit"):

@@ -2,7 +2,8 @@
 fsdp each rank owns whole matrices, the recorder shows the extra exchange, and the memory estimate is what ran.
 
 Measured here (one CPU model, x86_64), 20 Muon steps at lr 0.01 on the mlp: ddp, zero and fsdp end 6.3e-7 (world
-2) and 4.2e-7 (world 4) from one device; float64 cases in ``dtlab.analysis.parity`` (``tests/test_parity_float64.py``).
+2) and 4.2e-7 (world 4) from one device; float64 cases in ``dtlab.experiments.parity``
+(``tests/test_parity_float64.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import functools
 
 import pytest
 
-from dtlab.analysis.estimate.memory import per_rank
 from dtlab.core.muon import assign_owners
 from dtlab.core.results import RunResult
+from dtlab.cost.estimate.memory import per_rank
 from dtlab.tiers.fsdp_muon import rows_on
 from dtlab.train import run
 from tests.parity import TOL, job

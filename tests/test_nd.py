@@ -8,9 +8,9 @@ import functools
 import pytest
 
 from dtlab import RunConfig
-from dtlab.analysis.estimate import compare, estimate
 from dtlab.core.models import build
 from dtlab.core.results import RunResult
+from dtlab.cost.estimate import compare, estimate
 from dtlab.tiers import nd, pipeline, tp
 from dtlab.train import run
 from tests.parity import TOL

@@ -1,7 +1,7 @@
 """The backbone without float32's rounding: every tier and every pipeline schedule, run in float64, ends within
 1e-10 of one device on the same global batch, for SGD and for Adam at RunConfig's default lr 0.01.
 
-The cases are ``dtlab.analysis.parity.CASES`` (``python -m dtlab.analysis.parity`` prints the same table in
+The cases are ``dtlab.experiments.parity.CASES`` (``python -m dtlab.experiments.parity`` prints the same table in
 both dtypes). Measured on this machine (one CPU model, x86_64, 2 cores): every float64 gap is at most 4.5e-14,
 against float32 gaps of up to 4.8e-5 on the same jobs.
 """
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import dtlab
-from dtlab.analysis import ft as ft_runs
-from dtlab.analysis import parity
-from dtlab.analysis.parity import CASES, FLOAT64_BOUND, case, gap
 from dtlab.app.cli import main as cli_main
 from dtlab.core import registry
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job
 from dtlab.core.results import max_param_diff
+from dtlab.experiments import parity
+from dtlab.experiments.parity import CASES, FLOAT64_BOUND, case, gap
+from dtlab.read import ft as ft_runs
 from dtlab.tiers import fsdp, fsdp_tp, ft, pipeline
 
 pytestmark = pytest.mark.usefixtures("no_survivors")

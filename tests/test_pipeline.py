@@ -7,7 +7,8 @@ import functools
 import pytest
 
 from dtlab import RunConfig
-from dtlab.analysis import pipeline as pipeline_runs
+from dtlab.cost import pipeline as pipeline_cost
+from dtlab.read import pipeline as pipeline_runs
 from dtlab.tiers import pipeline as pp
 from dtlab.tiers.pipeline import Options
 from dtlab.train import run
@@ -126,8 +127,8 @@ def test_schedule_diagram_and_bubble(tmp_path):
     # every rank sends and receives in every step; the idle time in flight is part of the idle time
     assert (bubble["transfer_s"] > 0).all()
     assert (bubble["idle_in_transfer_s"] <= bubble["span_s"] - bubble["busy_s"] + 1e-9).all()
-    assert pipeline_runs.ideal_bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
-    assert pipeline_runs.ideal_bubble("naive", 4, 8) == pytest.approx(3 / 4)
+    assert pipeline_cost.ideal_bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
+    assert pipeline_cost.ideal_bubble("naive", 4, 8) == pytest.approx(3 / 4)
     # the result's own files still work with the extra phases and the stage-shaped strategy facts
     assert (result.save(tmp_path / "run") / "trace.json").exists()
     assert result.summary()["strategy"]["stage_parameters"] < sum(t.numel() for t in result.params().values())
@@ -147,7 +148,7 @@ def multi_job(schedule: str) -> tuple[RunConfig, object]:
 
 @pytest.mark.parametrize("schedule", MULTI)
 def test_multi_stage_schedules_match_single_and_predicted_activations(schedule):
-    from dtlab.analysis.estimate import compare, estimate
+    from dtlab.cost.estimate import compare, estimate
 
     cfg, result = multi_job(schedule)
     ref = single(job("adam", model_depth=4).replace(lr=0.003))  # the same global batch on one device
@@ -187,7 +188,7 @@ def test_multi_stage_transfers_and_diagram(schedule, hops, tmp_path):
     _assert_bars_are_the_frame(fig, pipeline_runs.schedule_frame(result, p2p=True))
     assert plots.save(fig, tmp_path / "schedule.png").exists()
     table = pipeline_runs.bubble_table({schedule: result})
-    assert table["measured"].between(0, 1).all() and table["simulated"].iloc[0] < pipeline_runs.ideal_bubble(
+    assert table["measured"].between(0, 1).all() and table["simulated"].iloc[0] < pipeline_cost.ideal_bubble(
         "1f1b", 2, 4)
 
 

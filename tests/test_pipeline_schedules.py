@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from dtlab import plots
-from dtlab.analysis import pipeline as pipeline_runs
+from dtlab.cost import pipeline as pipeline_cost
+from dtlab.read import pipeline as pipeline_runs
 from dtlab.tiers.pipeline import Options, stages_per_rank
 from dtlab.tiers.pipeline_stages import placement, rank_actions
 
@@ -41,27 +42,27 @@ def test_one_stage_orders_are_what_torch_runs():
 @pytest.mark.parametrize("p,m", FORMULA_CASES)
 def test_equal_times_layout_reproduces_the_formulas(p, m):
     for schedule in ("naive", "gpipe", "1f1b"):
-        assert pipeline_runs.simulated_bubble(schedule, p, m) == pytest.approx(
-            pipeline_runs.ideal_bubble(schedule, p, m), abs=1e-12), schedule
+        assert pipeline_cost.simulated_bubble(schedule, p, m) == pytest.approx(
+            pipeline_cost.ideal_bubble(schedule, p, m), abs=1e-12), schedule
     for v in (2, 3):
-        assert pipeline_runs.simulated_bubble("interleaved-1f1b", p, m, v) == pytest.approx(
-            pipeline_runs.ideal_bubble("interleaved-1f1b", p, m, v), abs=1e-12), v
+        assert pipeline_cost.simulated_bubble("interleaved-1f1b", p, m, v) == pytest.approx(
+            pipeline_cost.ideal_bubble("interleaved-1f1b", p, m, v), abs=1e-12), v
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
 def test_zero_bubble_schedules_idle_least(p, m):
-    one_f_one_b = pipeline_runs.ideal_bubble("1f1b", p, m)
-    interleaved = pipeline_runs.ideal_bubble("interleaved-1f1b", p, m, 2)
+    one_f_one_b = pipeline_cost.ideal_bubble("1f1b", p, m)
+    interleaved = pipeline_cost.ideal_bubble("interleaved-1f1b", p, m, 2)
     for schedule in ("zero-bubble", "zbv", "dualpipev"):
-        assert pipeline_runs.simulated_bubble(schedule, p, m) < interleaved < one_f_one_b, schedule
+        assert pipeline_cost.simulated_bubble(schedule, p, m) < interleaved < one_f_one_b, schedule
     # ZB-V, 2 ranks, 4 micro-batches: 24 units of work per rank, one unit idle (rank 0's last, rank 1's first)
-    assert pipeline_runs.simulated_bubble("zbv", 2, 4) == pytest.approx(1 / 25)
+    assert pipeline_cost.simulated_bubble("zbv", 2, 4) == pytest.approx(1 / 25)
     with pytest.raises(ValueError, match="no formula"):
-        pipeline_runs.ideal_bubble("zbv", p, m)
+        pipeline_cost.ideal_bubble("zbv", p, m)
 
 
 def test_equal_times_diagram(tmp_path):
-    frame = pipeline_runs.simulate("zbv", 2, 4)
+    frame = pipeline_cost.simulate("zbv", 2, 4)
     assert set(frame["phase"]) == {"forward", "backward_input", "backward_weight"}
     assert frame.groupby("rank")["hold"].apply(lambda h: sorted(set(h))).tolist() == [[0, 1], [0, 1]]
     fig = plots.pipeline_schedule(frame, title="zbv", seconds=False)
@@ -105,12 +106,12 @@ def test_zero_bubble_layout_matches_torchs_own_time_table(schedule, p, m):
     torch_idle = {r: 1 - sum(a is not None for a in slots) / span for r, slots in table.items()}
     torch_start = {(a.stage_index, a.computation_type.value, a.microbatch_index): t
                    for slots in table.values() for t, a in enumerate(slots) if a is not None}
-    frame = pipeline_runs.simulate(schedule, p, m, 2)
+    frame = pipeline_cost.simulate(schedule, p, m, 2)
     kind = {"forward": "F", "backward_input": "I", "backward_weight": "W"}
     ours = {(r.stage, kind[r.phase], r.microbatch): r.start for r in frame.itertuples()}
     assert ours.keys() == torch_start.keys()
-    assert pipeline_runs._idle(frame).to_dict() == pytest.approx(torch_idle, abs=1e-12)
-    assert pipeline_runs.simulated_bubble(schedule, p, m) == pytest.approx(sum(torch_idle.values()) / p)
+    assert pipeline_cost.idle_share(frame).to_dict() == pytest.approx(torch_idle, abs=1e-12)
+    assert pipeline_cost.simulated_bubble(schedule, p, m) == pytest.approx(sum(torch_idle.values()) / p)
     assert all(ours[k] <= torch_start[k] for k in ours)
     if schedule == "zbv":  # ZB-V's table is already as tight as it goes: every start the same
         assert ours == {k: float(t) for k, t in torch_start.items()}

@@ -233,11 +233,11 @@ def test_stage_placements_rejects_a_mismatch(mesh, names, match):
         plots.stage_placements(shards, names, mesh)
 
 
-# -- the byte formulas set beside the placements (dtlab.analysis.tensor_parallel) ---------------------
+# -- the byte formulas set beside the placements (dtlab.read.tp) ---------------------
 def test_sent_bytes_per_step_uses_the_ring_factors():
     import pandas as pd
 
-    from dtlab.analysis.tensor_parallel import sent_bytes_per_step
+    from dtlab.cost.tp import sent_bytes_per_step
 
     table = pd.DataFrame({"op": ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"],
                           "calls": [2, 1, 1], "bytes": [100, 100, 100]})
@@ -247,8 +247,8 @@ def test_sent_bytes_per_step_uses_the_ring_factors():
 
 def test_bytes_by_formula_for_ddp_fsdp_and_tp():
     from dtlab import RunConfig
-    from dtlab.analysis.tensor_parallel import bytes_by_formula, textbook_collectives, tp_bytes_per_step
     from dtlab.core import models
+    from dtlab.cost.tp import bytes_by_formula, textbook_collectives, tp_bytes_per_step
 
     cfg = RunConfig(tier="tp", world_size=2, model="charformer", dataset="text", model_size=64, model_depth=2,
                     global_batch_size=16)

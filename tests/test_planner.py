@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from dtlab.analysis import planner as P
-from dtlab.analysis.estimate import estimate
-from dtlab.analysis.planner.search import Layout, check_layout, memory
 from dtlab.core import registry
 from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job
+from dtlab.cost import planner as P
+from dtlab.cost.estimate import estimate
+from dtlab.cost.planner.search import Layout, check_layout, memory
 
 
 @pytest.mark.parametrize("width,depth", [(16, 1), (64, 2), (96, 3), (128, 4)])

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from dtlab.analysis import planner as P
-from dtlab.analysis.planner import network
-from dtlab.analysis.planner.layout import Layout, check_layout
-from dtlab.analysis.planner.ops import stage_ops
-from dtlab.analysis.planner.search import evaluate
-from dtlab.analysis.planner.step import bubble
-from dtlab.analysis.roofline import MEMORY, compute_time
+from dtlab.cost import planner as P
+from dtlab.cost.planner import network
+from dtlab.cost.planner.layout import Layout, check_layout
+from dtlab.cost.planner.ops import stage_ops
+from dtlab.cost.planner.search import evaluate
+from dtlab.cost.planner.step import bubble
+from dtlab.cost.roofline import MEMORY, compute_time
 
 GPT = P.TransformerSpec("gpt", layers=4, hidden=1024, heads=16, kv_heads=16, ffn=4096, seq=2048, vocab=50000,
                         gated_mlp=False)

@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 
 from dtlab import plots
-from dtlab.analysis import context_parallel as cpa
+from dtlab.cost import cp as cp_formula
+from dtlab.experiments import cp_work
+from dtlab.read import cp as cp_read
 from tests.test_plots import assert_png, titles
 
 
@@ -48,7 +50,7 @@ def test_ring_messages_draws_an_arrow_per_message(tmp_path):
 
 
 def test_attention_work_shows_each_balance_and_the_formula(tmp_path):
-    table = cpa.work_table(2, batch=2, heads=2, width=8)
+    table = cp_work.work_table(2, batch=2, heads=2, width=8)
     fig = plots.attention_work(table)
     assert titles(fig)[1:] == ["contiguous", "zigzag"]
     bars = [p.get_height() for p in fig.axes[0].patches]
@@ -57,7 +59,7 @@ def test_attention_work_shows_each_balance_and_the_formula(tmp_path):
 
 
 def test_cp_bytes_draws_formula_lines_and_measured_points(tmp_path):
-    formula = cpa.bytes_formula(batch=4, width=8, depth=2, degrees=[2, 4, 8])
+    formula = cp_formula.bytes_formula(batch=4, width=8, depth=2, degrees=[2, 4, 8])
     measured = formula[formula["degree"] <= 4]
     fig = plots.cp_bytes(measured, formula)
     assert [ax.get_title() for ax in fig.axes] == ["as counted (an all-to-all: its input)", "leaving the rank"]
@@ -83,12 +85,12 @@ def test_comm_vs_width_and_checkpointing_render(tmp_path):
 
 def test_the_byte_formulas_of_ring_and_ulysses():
     x = 4 * (32 // 4) * 8 * 4  # batch 4, 8 of 32 positions, width 8, float32
-    assert cpa.attention_bytes("ring", 4, 4, 8, 2) == {"counted": 2 * 2 * 10 * x, "sent": 2 * 2 * 10 * x}
-    assert cpa.attention_bytes("ulysses", 4, 4, 8, 2) == {"counted": 2 * 8 * x, "sent": 2 * 8 * x * 3 // 4}
-    table = cpa.bytes_formula(4, 8, 2, [2, 4, 8, 16, 32]).set_index(["method", "degree"])["counted"]
+    assert cp_formula.attention_bytes("ring", 4, 4, 8, 2) == {"counted": 2 * 2 * 10 * x, "sent": 2 * 2 * 10 * x}
+    assert cp_formula.attention_bytes("ulysses", 4, 4, 8, 2) == {"counted": 2 * 8 * x, "sent": 2 * 8 * x * 3 // 4}
+    table = cp_formula.bytes_formula(4, 8, 2, [2, 4, 8, 16, 32]).set_index(["method", "degree"])["counted"]
     assert table["ring", 2] == table["ulysses", 2]  # equal at 2 ranks
     assert table["ring", 32] < 6 * 4 * 32 * 8 * 4 * 2 and table["ring"].is_monotonic_increasing
     assert table["ulysses"].is_monotonic_decreasing
     row = {"op": "all_to_all_single", "bytes": 400, "rank": 1, "input_splits": [1, 1, 2]}
-    assert cpa._sent(row) == 300  # all but its own split
-    assert cpa._sent({"op": "isend", "bytes": 400, "rank": 1}) == 400
+    assert cp_read._sent(row) == 300  # all but its own split
+    assert cp_read._sent({"op": "isend", "bytes": 400, "rank": 1}) == 400

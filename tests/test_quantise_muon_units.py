@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dtlab import RunConfig
-from dtlab.analysis import overlap as ov
 from dtlab.app.cli import main as cli_main
 from dtlab.core import muon
 from dtlab.core.quantise import COMM_DTYPES, decode, encode, encoded_bytes
+from dtlab.read import overlap as ov
 from dtlab.tiers import ddp, fsdp, fsdp_tp, tp
 from dtlab.tiers.fsdp_muon import rows_on
 
@@ -178,7 +178,7 @@ def test_bytes_vs_drift_draws_a_point_per_variant(tmp_path):
 
 
 def test_the_quantised_variants_always_hold_their_fp32_reference():
-    from dtlab.analysis import quantised
+    from dtlab.experiments import quantised
 
     labels = list(quantised.variants(quantised.base_job(10), [("int8", "int8")], ["fp8"]))
     assert labels == ["fsdp ag=fp32 rs=fp32", "fsdp ag=int8 rs=int8", "ddp fp32", "ddp fp8"]

@@ -6,7 +6,7 @@ device's (20 Adam steps of the mlp at lr 0.01, the parity job). Measured here (o
 largest |loss - single's| over the steps is 2.7e-3 (ddp bf16) to 3.0e-2 (fsdp fp8 gathers, bf16 gradients)
 across the cases below, on losses falling from 2.3 to about 0.5; the bound is 6e-2. The parameters end 5e-2 to
 0.16 apart (Adam's lr-sized steps where a gradient is near zero turn any change into that).
-``python -m dtlab.analysis.quantised`` measures the drift over 300 steps and the bytes.
+``python -m dtlab.experiments.quantised`` measures the drift over 300 steps and the bytes.
 """
 
 from __future__ import annotations

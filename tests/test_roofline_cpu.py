@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
-from dtlab.analysis.costmodel.links import LinkModel
-from dtlab.analysis.estimate import estimate
-from dtlab.analysis.roofline import cpu, measure, ops, predict, saved
-from dtlab.analysis.roofline.__main__ import main, parse_placements
-from dtlab.analysis.roofline.model import GEMM, MEMORY, op_seconds
 from dtlab.core import models
 from dtlab.core.config import RunConfig
+from dtlab.cost.estimate import estimate
+from dtlab.cost.links.alpha_beta import LinkModel
+from dtlab.cost.roofline import cpu, measure, ops, predict, saved
+from dtlab.cost.roofline.__main__ import main, parse_placements
+from dtlab.cost.roofline.model import GEMM, MEMORY, op_seconds
 from dtlab.plots.roofline import roofline as roofline_figure
 
 

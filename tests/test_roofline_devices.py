@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlab.analysis.roofline import ATTENTION, GEMM, MEMORY, Device, Op, compute_time, devices, gemm, op_seconds
+from dtlab.cost.roofline import ATTENTION, GEMM, MEMORY, Device, Op, compute_time, devices, gemm, op_seconds
 
 
 def test_peaks_and_bandwidths_are_the_datasheets():

@@ -12,11 +12,11 @@ import torch
 from torch.distributed import rpc
 
 from dtlab import RankError
-from dtlab.analysis.rpc import call_matrix, staleness_frame
 from dtlab.app import rl
 from dtlab.core.net import listening_sockets
 from dtlab.instrument.rpc import events_frame
 from dtlab.launch.rpc import launch_rpc
+from dtlab.read.rpc import call_matrix, staleness_frame
 from dtlab.tiers.rpc import Options
 from dtlab.train import preflight, run
 from tests.parity import TOL, job, single

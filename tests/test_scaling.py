@@ -8,14 +8,16 @@ import pandas as pd
 import pytest
 
 from dtlab import plots
-from dtlab.analysis import critical, critical_here, scaling
-from dtlab.analysis.costmodel import LinkModel
-from dtlab.analysis.planner import A100_80GB, H100_SXM, LLAMA2_70B, Layout
-from dtlab.analysis.planner.runs import read_runs
-from dtlab.analysis.planner.validate import DEFAULT_RUNS
-from dtlab.analysis.roofline.cpu import GemmCurve, Overhead, Placement, Roofline
-from dtlab.analysis.roofline.model import Device
-from dtlab.analysis.roofline.ops import PHASES
+from dtlab.cost import critical
+from dtlab.cost.links import LinkModel
+from dtlab.cost.planner import A100_80GB, H100_SXM, LLAMA2_70B, Layout
+from dtlab.cost.planner import published as scaling
+from dtlab.cost.planner.runs import read_runs
+from dtlab.cost.planner.validate import DEFAULT_RUNS
+from dtlab.cost.roofline.cpu import GemmCurve, Overhead, Placement, Roofline
+from dtlab.cost.roofline.model import Device
+from dtlab.cost.roofline.ops import PHASES
+from dtlab.experiments import critical_batch
 from tests.test_plots import assert_png, titles
 
 
@@ -89,9 +91,9 @@ BATCHES = (2, 8, 32, 128, 512)
 
 
 def test_the_critical_batch_is_where_the_predicted_compute_meets_the_all_reduces():
-    cfg, link = critical_here.job(width=256), LinkModel(0.0, 1 / 1e9)
-    found = critical_here.predict(cfg, tiny_roofline(), link, BATCHES)
-    compute = [critical_here._compute_s(cfg, tiny_roofline(), b) for b in (found.batch - 1, found.batch)]
+    cfg, link = critical_batch.job(width=256), LinkModel(0.0, 1 / 1e9)
+    found = critical_batch.predict(cfg, tiny_roofline(), link, BATCHES)
+    compute = [critical_batch._compute_s(cfg, tiny_roofline(), b) for b in (found.batch - 1, found.batch)]
     assert compute[0] < found.comm_s <= compute[1]
     assert found.formula_batch == pytest.approx(0.5 * 4 * 50e9 / (3 * 1e9))
     # the formula takes every GEMM at the peak; at half of it a sample's compute takes twice as long, so the
@@ -99,12 +101,12 @@ def test_the_critical_batch_is_where_the_predicted_compute_meets_the_all_reduces
     assert 0.4 * found.formula_batch < found.batch < 0.6 * found.formula_batch
     assert list(found.curve["batch"]) == list(BATCHES)
     # latency: 2 alpha per tensor
-    slower = critical_here.predict(cfg, tiny_roofline(), LinkModel(50e-6, 1 / 1e9), BATCHES)
+    slower = critical_batch.predict(cfg, tiny_roofline(), LinkModel(50e-6, 1 / 1e9), BATCHES)
     assert slower.comm_s == pytest.approx(found.comm_s + 6 * 2 * 50e-6) and slower.batch > 2 * found.batch
     with pytest.raises(ValueError, match="ddp-naive at world_size >= 2"):
-        critical_here.predict(cfg.replace(tier="ddp"), tiny_roofline(), link)
+        critical_batch.predict(cfg.replace(tier="ddp"), tiny_roofline(), link)
     with pytest.raises(ValueError, match="up to 512 samples per rank: choose a wider model"):
-        critical_here.predict(cfg, tiny_roofline(), LinkModel(1.0, 1 / 1e9), BATCHES)
+        critical_batch.predict(cfg, tiny_roofline(), LinkModel(1.0, 1 / 1e9), BATCHES)
 
 
 class Steps:
@@ -120,7 +122,7 @@ class Steps:
 def test_a_runs_compute_is_the_ranks_mean_and_its_communication_the_last_arrivals():
     result = Steps([(0, 1, 1.0, 2.0, 5.0), (1, 1, 2.0, 3.0, 1.0), (0, 2, 1.0, 2.0, 6.0), (1, 2, 1.0, 2.0, 2.0),
                     (0, 3, 9.0, 9.0, 9.0), (1, 3, 9.0, 9.0, 9.0)])
-    assert critical_here._medians(result) == (4.0, 2.0)  # compute: 4, 3, 18 -> 4; comm: 1, 2, 9 -> 2
+    assert critical_batch._medians(result) == (4.0, 2.0)  # compute: 4, 3, 18 -> 4; comm: 1, 2, 9 -> 2
 
 
 def sides(below=(1e-3, 4e-3), above=(9e-3, 3e-3)):
@@ -130,18 +132,18 @@ def sides(below=(1e-3, 4e-3), above=(9e-3, 3e-3)):
 
 
 def test_confirm_passes_either_side_and_names_a_run_on_the_wrong_side():
-    line = critical_here.confirm(sides())
+    line = critical_batch.confirm(sides())
     assert line.startswith("25 samples per rank: the all-reduces took 4.0x the compute")
     assert "400: the compute took 3.0x the all-reduces (compute-bound), as predicted" in line
     with pytest.raises(AssertionError, match="at 25 samples per rank .below the predicted critical batch. the run "
                                              "was compute-bound"):
-        critical_here.confirm(sides(below=(5e-3, 4e-3)))
+        critical_batch.confirm(sides(below=(5e-3, 4e-3)))
     with pytest.raises(AssertionError, match="at 400 samples per rank .above"):
-        critical_here.confirm(sides(above=(1e-3, 3e-3)))
+        critical_batch.confirm(sides(above=(1e-3, 3e-3)))
     # compute / comm is 1/4 at 25 and 3 at 400: as a power of the batch it is 1 at 25 x 16^(ln 4 / ln 12)
-    assert critical_here.crossing(sides()) == pytest.approx(25 * 16 ** (np.log(4) / np.log(12)))
+    assert critical_batch.crossing(sides()) == pytest.approx(25 * 16 ** (np.log(4) / np.log(12)))
     with pytest.raises(ValueError, match="below must be communication-bound"):
-        critical_here.crossing(sides(below=(5e-3, 4e-3)))
+        critical_batch.crossing(sides(below=(5e-3, 4e-3)))
 
 
 def test_published_scaling_draws_each_family_side_by_side(frame, tmp_path):

@@ -10,10 +10,10 @@ import types
 import pandas as pd
 import pytest
 
-from dtlab.analysis import costmodel
-from dtlab.analysis import speedup as sp
-from dtlab.analysis.estimate import calibration, step
-from dtlab.analysis.roofline.cpu import Roofline
+from dtlab.cost import links as costmodel
+from dtlab.cost.estimate import calibration, step
+from dtlab.cost.roofline.cpu import Roofline
+from dtlab.experiments import speedup as sp
 from dtlab.plots import save
 from dtlab.plots.crossover import PREDICTION_LABEL, RETIMED_LABEL, crossing, speedup_curve
 from tests import bench_scripts

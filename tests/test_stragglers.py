@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dtlab import RunConfig
-from dtlab.analysis.stragglers import arrivals, straggler
 from dtlab.core.results import RankResult, RunResult
+from dtlab.read.stragglers import arrivals, straggler
 from dtlab.train import run
 
 DELAY_S = 0.02

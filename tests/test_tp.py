@@ -7,9 +7,10 @@ import functools
 import pytest
 
 from dtlab import RunConfig
-from dtlab.analysis.tensor_parallel import by_op_and_bytes, recorded_per_step, textbook_collectives
 from dtlab.core import data as datasets
 from dtlab.core.results import RunResult
+from dtlab.cost.tp import by_op_and_bytes, textbook_collectives
+from dtlab.read.tp import recorded_per_step
 from dtlab.tiers.fsdp_tp import Options as FsdpTpOptions
 from dtlab.tiers.tp import Options as TpOptions
 from dtlab.train import run

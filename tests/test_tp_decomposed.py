@@ -5,7 +5,7 @@ is measured per rank for ddp's buckets, fsdp's collectives and the ring.
 Measured here (one CPU model, x86_64), 20 Adam steps: the mlp at lr 0.01 ends 1.8e-7 (world 2) and 8.9e-8
 (world 4) from one device and within 1.3e-7 of tp; the charformer (4 heads, lr 0.003) at world 4 2.4e-7.
 On 2 cores the ring buys no speed: what the test checks is the arithmetic and that the transfers run under
-compute (``dtlab.analysis.overlap``).
+compute (``dtlab.read.overlap``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import functools
 
 import pytest
 
-from dtlab.analysis.overlap import overlap_by_rank
 from dtlab.core.data import SEQ_LEN
 from dtlab.core.results import RunResult
+from dtlab.read.overlap import overlap_by_rank
 from dtlab.tiers import ddp, tp
 from dtlab.train import run
 from tests.parity import TOL, job, single

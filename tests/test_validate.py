@@ -1,4 +1,4 @@
-"""``python -m dtlab.analysis.planner.validate``: the planner against the committed table of published runs, on any
+"""``python -m dtlab.cost.planner.validate``: the planner against the committed table of published runs, on any
 CSV in the schema, and a malformed CSV named by row and column (run in-process: no subprocess)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from dtlab.analysis.planner import runs as R
-from dtlab.analysis.planner import validate as V
+from dtlab.cost.planner import runs as R
+from dtlab.cost.planner import validate as V
 
 SUMMARY = re.compile(r"^published runs: (\d+); median \|error\| ([\d.]+) %; worst ([+-][\d.]+) % \((row \d+: .+)\)$")
 GOOD = {"source": "a paper, Table 9", "model": "GPT 1.3B", "layers": "24", "hidden": "2048", "heads": "16",

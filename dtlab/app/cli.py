@@ -9,9 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import exercises, tiers
-from dtlab.analysis import estimate, flight
-from dtlab.analysis.compare import compare, format_table, save_comparison
-from dtlab.analysis.costmodel.links import LinkModel
 from dtlab.app.bench import BENCH_DOC, run_all, update_doc
 from dtlab.app.saving import check_writable, fallback, save_result
 from dtlab.core import options
@@ -19,7 +16,11 @@ from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.failures import RankError
 from dtlab.core.results import FLIGHT_DIR, RunResult
+from dtlab.cost import estimate
+from dtlab.cost.links.alpha_beta import LinkModel
+from dtlab.experiments.compare import compare, format_table, save_comparison
 from dtlab.launch import cluster
+from dtlab.read import flight
 from dtlab.train import preflight, run
 
 
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                             "default 50)")
     p_est.add_argument("--compute", default="timed", choices=("timed", "predicted"),
                        help="with --link: a rank's compute timed here (default), or predicted on this machine's "
-                            "roofline (python -m dtlab.analysis.roofline saves it)")
+                            "roofline (python -m dtlab.cost.roofline saves it)")
     _add_job_args(p_est)
     p_est.set_defaults(func=cmd_estimate)
     p_bench = sub.add_parser("bench", help="run every benchmark in benchmarks/ and summarise their ratios")

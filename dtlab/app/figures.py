@@ -34,15 +34,15 @@ class Figure:
 
 DEMO_COMPARE = ("python -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 "
                 "--out results/demo")
-DEMO_SWEEP = "python -m dtlab.analysis.speedup --out results/demo"
+DEMO_SWEEP = "python -m dtlab.experiments.speedup --out results/demo"
 COSTMODEL = "python benchmarks/costmodel_error.py"  # writes into results/bench, the benchmarks' default
 LINK_SWEEP = "python benchmarks/link_sweep.py"
-PIPELINE_BUBBLE = "python -m dtlab.analysis.pipeline_schedules --rounds 3 --csv results/pipeline/pipeline_bubble.csv"
+PIPELINE_BUBBLE = "python -m dtlab.experiments.schedules --rounds 3 --csv results/pipeline/pipeline_bubble.csv"
 DILOCO_LINK = "python benchmarks/diloco_link.py"  # reads the learning rates DILOCO_SWEEP chose (run it first)
 DILOCO_SWEEP = "python benchmarks/diloco_link.py --sweep"
 FT_RECOVERY = "python benchmarks/ft_recovery.py"
-ROOFLINE = "python -m dtlab.analysis.roofline"
-GOODPUT = "python -m dtlab.analysis.goodput"  # writes into results/goodput
+ROOFLINE = "python -m dtlab.cost.roofline"
+GOODPUT = "python -m dtlab.experiments.goodput"  # writes into results/goodput
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),

@@ -1,6 +1,6 @@
 """The planner panel: a model, a global batch and a cluster in; the layouts that fit, ranked, out.
 
-``planner()`` shows the controls, the top layouts of ``dtlab.analysis.planner.search``
+``planner()`` shows the controls, the top layouts of ``dtlab.cost.planner.search``
 (a projection, labelled as one) with a memory bar per layout against the GPU's
 memory line, and **Run it here, scaled down**: the chosen layout's strategies as a
 small charformer job on this machine's ranks, its measured bytes per kind drawn
@@ -22,12 +22,12 @@ import ipywidgets as w
 import pandas as pd
 from matplotlib.figure import Figure
 
-from dtlab.analysis import planner as plan_lib
-from dtlab.analysis.estimate import KINDS, Estimate, compare, estimate
-from dtlab.analysis.planner import Cluster, TransformerSpec
 from dtlab.app.guard import guarded
 from dtlab.core.config import RunConfig
 from dtlab.core.results import RunResult
+from dtlab.cost import planner as plan_lib
+from dtlab.cost.estimate import KINDS, Estimate, compare, estimate
+from dtlab.cost.planner import Cluster, TransformerSpec
 from dtlab.train import run
 
 KIND_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green",

@@ -30,11 +30,11 @@ from matplotlib.figure import Figure
 from torch import nn
 from torch.distributed import rpc
 
-from dtlab.analysis.rpc import call_matrix
 from dtlab.core.net import LOOPBACK, listening_sockets
 from dtlab.core.progress import report
 from dtlab.instrument.rpc import RpcWorker, current_worker, events_frame
 from dtlab.launch.rpc import launch_rpc
+from dtlab.read.rpc import call_matrix
 
 
 class CartPole:

@@ -22,8 +22,6 @@ from typing import Any
 import ipywidgets as w
 
 from dtlab import plots, tiers
-from dtlab.analysis.elastic import timeline
-from dtlab.analysis.frames import breakdown_frame
 from dtlab.app.guard import guarded
 from dtlab.app.history import HISTORY, SavedRun, load_history, read_runs
 from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
@@ -32,6 +30,8 @@ from dtlab.core.config import MODELS, PRECISIONS, TEXT_MODELS, RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.launch import netns
 from dtlab.launch.local import LaunchStopped
+from dtlab.read.elastic import timeline
+from dtlab.read.frames import breakdown_frame
 from dtlab.tiers.elastic import FAULT_KINDS
 from dtlab.train import preflight, run
 

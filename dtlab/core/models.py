@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.core import moe
+from dtlab.core.charformer import CharFormer
 from dtlab.core.compat import in_backward
 from dtlab.core.config import resolve_import_path
 from dtlab.core.data import Dataset
@@ -45,56 +47,6 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 64, batchno
     )
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(width, width)
-        # No bias on the key projection: softmax is invariant to it, so its true
-        # gradient is zero, and Adam would turn rounding noise there into
-        # full-size updates that differ between tiers.
-        self.k = nn.Linear(width, width, bias=False)
-        self.v = nn.Linear(width, width)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1, not width // heads: under tensor parallelism a rank holds only its heads' columns
-        q, k, v = (proj(x).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class CharFormer(nn.Module):
-    """A tiny decoder-only transformer over characters."""
-
-    def __init__(self, vocab: int, seq_len: int, width: int = 64, layers: int = 2, heads: int = 2) -> None:
-        super().__init__()
-        if width % heads:
-            raise ValueError(f"model_size={width} must be divisible by the {heads} attention heads")
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(seq_len, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
-
-
 def build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_classes: int, width: int,
           depth: int = 2, routing: Any = None, dtype: torch.dtype = torch.float32, heads: int = 2) -> nn.Module:
     """Make the model named by ``spec`` (built-in name, import path or callable); ``routing``: the ``moe``
@@ -116,9 +68,6 @@ def _build(spec: str | Callable[..., Any], input_shape: tuple[int, ...], num_cla
     if spec == "charformer":
         return CharFormer(num_classes, input_shape[0], width, layers=depth, heads=heads)
     if spec == "moe":
-        # deferred: import cycle: dtlab.core.moe builds on CharFormer, defined here
-        from dtlab.core import moe
-
         return moe.MoEFormer(num_classes, input_shape[0], width, depth, routing or moe.Routing(), heads)
     if isinstance(spec, str):
         spec = resolve_import_path(spec)

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.core.charformer import CharFormer
 from dtlab.core.compat import in_backward
-from dtlab.core.models import CharFormer
 
-__all__ = ["MoE", "MoEFormer", "Routing", "balance_loss", "expert_mlp", "routing_of"]
+__all__ = ["MoE", "MoEFormer", "Routing", "balance_loss", "even_assign", "expert_mlp", "routing_of"]
 
 Dispatch = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
@@ -55,8 +55,18 @@ class Routing:
 
 
 def expert_mlp(width: int) -> nn.Module:
-    """One expert: the charformer's MLP (``dtlab.core.models.Block.mlp``)."""
+    """One expert: the charformer's MLP (``dtlab.core.charformer.Block.mlp``)."""
     return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+def even_assign(r: Routing, expert_of: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``MoE.assign`` for a router that shares the assignments out evenly (capped at the capacity): what the
+    memory and FLOP predictions use, since fake tensors hold no router decisions."""
+    n = expert_of.numel()
+    counts = [n // r.experts + (e < n % r.experts) for e in range(r.experts)]
+    if r.capacity_factor > 0:
+        counts = [min(c, math.ceil(r.capacity_factor * n / r.experts)) for c in counts]
+    return torch.arange(sum(counts), device=expert_of.device), counts
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Exercise ``layer_flops``: one transformer layer's forward FLOPs and bytes moved, as a roofline needs them.
 
 The checker is the model itself: the learner's count is held against the planner's own
-(``dtlab.analysis.planner.ops.stage_ops``, the ops a step's time is predicted from) on shapes with
+(``dtlab.cost.planner.ops.stage_ops``, the ops a step's time is predicted from) on shapes with
 multi-head, grouped-query and multi-query attention, plain and gated MLPs, bf16 and fp32. It runs
 in this process (arithmetic needs no ranks). A wrong count is narrowed down to its term by asking
 the learner's function about shapes that change one thing at a time — the MLP's width, the number
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dtlab.analysis.planner.layout import Layout
-from dtlab.analysis.planner.ops import stage_ops
-from dtlab.analysis.planner.transformer import TransformerSpec
-from dtlab.analysis.roofline.model import MEMORY
+from dtlab.cost.planner.layout import Layout
+from dtlab.cost.planner.ops import stage_ops
+from dtlab.cost.planner.transformer import TransformerSpec
+from dtlab.cost.roofline.model import MEMORY
 from dtlab.exercises._local import LocalExercise
 
 __all__ = ["EXERCISE", "SHAPES", "Shape", "layer_flops", "planner_count", "stub"]
@@ -74,7 +74,7 @@ DESCRIPTION = (
     "writes, each tensor once per op, in the layer's dtype (dtype_bytes per value): a GEMM its two operands and "
     "its result; the flash attention Q, K and V in and its output out; a norm, the activation and an add their "
     "inputs and their output. Checked in this process against the planner's own count "
-    "(dtlab.analysis.planner.ops) on four shapes: multi-head, grouped-query and multi-query attention, plain and "
+    "(dtlab.cost.planner.ops) on four shapes: multi-head, grouped-query and multi-query attention, plain and "
     "gated MLPs, bf16 and fp32; a wrong count is narrowed down to its term."
 )
 
@@ -308,7 +308,7 @@ def judge(fn: Callable[..., Any]) -> str | None:
     return None
 
 
-SUMMARY = (f"your FLOPs and bytes equal the planner's own count (dtlab.analysis.planner.ops) on all {len(SHAPES)} "
+SUMMARY = (f"your FLOPs and bytes equal the planner's own count (dtlab.cost.planner.ops) on all {len(SHAPES)} "
            "shapes: multi-head, grouped-query and multi-query attention, plain and gated MLPs, bf16 and fp32. Their "
            "ratio is the layer's arithmetic intensity, which the roofline times it by.")
 

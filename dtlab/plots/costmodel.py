@@ -9,8 +9,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator
 
-if TYPE_CHECKING:  # for the annotation only: plots sit below analysis
-    from dtlab.analysis.costmodel import LinkModel
+if TYPE_CHECKING:  # for the annotation only: plots sit below cost
+    from dtlab.cost.links import LinkModel
 from dtlab.plots.style import LINESTYLES, TIER_PALETTE, WIDTH, bytes_tick, require
 
 

@@ -77,7 +77,7 @@ def speedup_curve(frame: pd.DataFrame, title: str | None = None) -> Figure:
     annotation). A horizontal line marks break-even (speedup 1); the measured
     crossover is marked where there is one, else the closest approach is
     annotated. The title says what is compared: ``title``, else
-    ``frame.attrs["baseline"]`` (``dtlab.analysis.speedup`` sets it).
+    ``frame.attrs["baseline"]`` (``dtlab.experiments.speedup`` sets it).
     """
     require(frame, ("width", "speedup"), "speedup_curve")
     df = frame.dropna(subset=["width", "speedup"]).sort_values("width")

@@ -1,6 +1,6 @@
 """Figures of a mixture of experts: the router's choices, the load per expert, the all-to-all bytes, the ranks.
 
-The tables come from ``dtlab.analysis.experts``; here they are only drawn.
+The tables come from ``dtlab.read.ep``; here they are only drawn.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def router_heatmap(share: pd.DataFrame, title: str = "Which expert each characte
 def expert_load(loads: Mapping[str, pd.DataFrame], title: str = "Tokens per expert") -> Figure:
     """One panel per run: each expert's share of the step's assignments over training.
 
-    ``loads``: label -> a table step x expert of token counts (``analysis.experts.expert_load``)."""
+    ``loads``: label -> a table step x expert of token counts (``read.ep.expert_load``)."""
     if not loads:
         raise ValueError("expert_load: no runs given")
     fig = figure(3.4)
@@ -59,7 +59,7 @@ def expert_load(loads: Mapping[str, pd.DataFrame], title: str = "Tokens per expe
 def all_to_all_bytes(df: pd.DataFrame, formula: float, title: str = "All-to-all bytes per step (one rank)") -> Figure:
     """Recorded bytes of each kind of all-to-all per step against ``formula`` (the dispatches' bytes per step).
 
-    ``df``: columns step, kind, bytes, sent_bytes (``analysis.experts.all_to_all_bytes``)."""
+    ``df``: columns step, kind, bytes, sent_bytes (``read.ep.all_to_all_bytes``)."""
     require(df, ("step", "kind", "bytes", "sent_bytes"), "all_to_all_bytes")
     fig = figure(3.4)
     ax = fig.subplots()
@@ -83,7 +83,7 @@ def all_to_all_bytes(df: pd.DataFrame, formula: float, title: str = "All-to-all 
 def rank_load(df: pd.DataFrame, title: str = "Each rank's experts") -> Figure:
     """Per rank, the rows its experts ran on and the seconds it spent in all-to-alls (medians over steps).
 
-    ``df``: columns rank, tokens, all_to_all_s (``analysis.experts.rank_load``)."""
+    ``df``: columns rank, tokens, all_to_all_s (``read.ep.rank_load``)."""
     require(df, ("rank", "tokens", "all_to_all_s"), "rank_load")
     med = df.groupby("rank")[["tokens", "all_to_all_s"]].median()
     fig = figure(3.0)

@@ -52,7 +52,7 @@ def _lanes(ax: object, df: pd.DataFrame, replicas: list[int]) -> None:
 def replica_timeline(df: pd.DataFrame) -> Figure:
     """A run of replica groups: what each group did over time, and how many groups each step averaged.
 
-    ``df``: ``dtlab.analysis.ft.timeline``'s frame (t_s, kind, replica, attempt, step; ``ft_step`` rows
+    ``df``: ``dtlab.read.ft.timeline``'s frame (t_s, kind, replica, attempt, step; ``ft_step`` rows
     with committed, participants, healing). Top: one lane per group -- steps, faults, restarts, the
     first quorum of a restarted group. Bottom (ft runs): participants per committed step, the quorum
     changes where it steps.
@@ -83,7 +83,7 @@ def loss_vs_time(curves: Mapping[str, pd.DataFrame]) -> Figure:
     """Training loss against steps (left) and against training time (right), one line per run.
 
     ``curves``: label -> frame with columns step, time_s (training time up to the end of that step) and
-    loss (``dtlab.analysis.ft.loss_by_time``). A run that sends less per step reaches a loss sooner in
+    loss (``dtlab.read.ft.loss_by_time``). A run that sends less per step reaches a loss sooner in
     time even when it needs more steps for it: the right panel shows which wins on a given link.
     """
     if not curves:

@@ -53,7 +53,7 @@ def _projection(ax, frame: pd.DataFrame) -> None:  # noqa: ANN001 - a matplotlib
 
 
 def goodput_figure(frame: pd.DataFrame) -> Figure:
-    """``frame``: ``python -m dtlab.analysis.goodput``'s table (``kind`` curve / point / projection rows with
+    """``frame``: ``python -m dtlab.experiments.goodput``'s table (``kind`` curve / point / projection rows with
     ``variant``, ``mtbf_s``, ``goodput``; projection rows ``gpus``, ``fraction``). Left: goodput against MTBF
     here, curves predicted and points measured; right, if present: the projection."""
     require(frame, ["kind", "variant", "mtbf_s"], "goodput_figure")

@@ -121,7 +121,7 @@ LINK_COLORS = {"compute and hidden comm": "tab:blue", "exposed comm": "tab:red"}
 def link_sweep(df: pd.DataFrame) -> Figure:
     """DDP step time per (link cap, comm hook), split into compute and exposed communication (ms).
 
-    ``df``: ``dtlab.analysis.linksweep.link_sweep``'s frame (label, step_ms, exposed_comm_ms,
+    ``df``: ``dtlab.experiments.linksweep.link_sweep``'s frame (label, step_ms, exposed_comm_ms,
     comm_mb_per_step). Each bar's end gives the step time; the MB sent per step is
     written beside the label.
     """

@@ -1,7 +1,7 @@
 """Pipeline schedule diagrams: one lane per stage or rank, one bar per micro-batch's action.
 
-The frame is a schedule's actions, measured (``analysis.pipeline.schedule_frame``) or laid
-out with equal times (``analysis.pipeline.simulate``): columns lane, phase, microbatch,
+The frame is a schedule's actions, measured (``read.pipeline.schedule_frame``) or laid
+out with equal times (``cost.pipeline.simulate``): columns lane, phase, microbatch,
 start, end, and optionally stage and hold (the rank's how-manyth stage it is, from 0).
 """
 

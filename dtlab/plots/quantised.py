@@ -1,6 +1,6 @@
 """Quantised communication's trade: the bytes each variant sends per step against how far its loss curve drifts.
 
-The table comes from ``dtlab.analysis.quantised.measure``; here it is only drawn.
+The table comes from ``dtlab.experiments.quantised.measure``; here it is only drawn.
 """
 
 from __future__ import annotations

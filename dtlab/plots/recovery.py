@@ -16,7 +16,7 @@ PART_COLORS = {"detection": "tab:red", "restart": "tab:orange", "rendezvous": "t
 
 def recovery_timeline(parts: pd.DataFrame, title: str = "What one fault cost, part by part") -> Figure:
     """``parts``: rows ``lane``, ``part`` (a key of ``PART_COLORS``), ``start_s`` and ``end_s`` (seconds since the
-    fault), as ``dtlab.analysis.recovery`` gives them (several runs concatenated). Lanes top to bottom in the
+    fault), as ``dtlab.read.recovery`` gives them (several runs concatenated). Lanes top to bottom in the
     order they first appear; each lane's end is written beside it."""
     require(parts, ["lane", "part", "start_s", "end_s"], "recovery_timeline")
     unknown = sorted(set(parts["part"]) - set(PART_COLORS))

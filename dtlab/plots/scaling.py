@@ -64,7 +64,7 @@ def critical_batch(curve: pd.DataFrame, measured: pd.DataFrame, batch: float, fo
     """Milliseconds per step against samples per rank (log-log): the predicted compute (forward + backward) and
     all-reduces as lines, the predicted critical batch (and the formula's) as vertical lines, and the runs on
     either side as points. ``curve``: ``batch``, ``compute_s``, ``comm_s``; ``measured``: ``batch``,
-    ``compute_s``, ``comm_s`` (``critical_here.measure``)."""
+    ``compute_s``, ``comm_s`` (``critical_batch.measure``)."""
     require(curve, ("batch", "compute_s", "comm_s"), "predicted curve")
     require(measured, ("batch", "compute_s", "comm_s"), "measured runs")
     fig = figure(4.4)

@@ -1,7 +1,7 @@
 """Figures of tensor, sequence and context parallelism: who calls what, the ring's messages, the work per rank,
 the bytes per degree, and activation checkpointing's trade.
 
-The tables come from ``dtlab.analysis.tensor_parallel`` and ``dtlab.analysis.context_parallel``; here they are
+The tables come from ``dtlab.read.tp`` and ``dtlab.read.cp``; here they are
 only drawn.
 """
 
@@ -25,7 +25,7 @@ MB = 1e6
 def calls_by_tag(tables: Mapping[str, pd.DataFrame], who: str = "rank 0") -> Figure:
     """One panel per run: calls per step by the tag that issued them (rows, first issued on top), stacked by op.
 
-    ``tables``: label -> a table tag x op of calls per step (``analysis.tensor_parallel.calls_by_tag``)."""
+    ``tables``: label -> a table tag x op of calls per step (``read.tp.calls_by_tag``)."""
     if not tables:
         raise ValueError("calls_by_tag: no runs given")
     tags = list(dict.fromkeys(t for table in tables.values() for t in table.index))
@@ -54,7 +54,7 @@ def comm_vs_width(lines: pd.DataFrame, measured: pd.DataFrame, crossing: Mapping
     from the formulas, measured runs as markers, and where tp's line crosses below each other tier's.
 
     ``lines``: rows of width, tier, comm, params (formulas); ``measured``: rows of tier, width, comm_bytes,
-    param_bytes (``analysis.tensor_parallel.width_sweep``); ``crossing``: tier -> the first width where tp
+    param_bytes (``experiments.tp_widths.width_sweep``); ``crossing``: tier -> the first width where tp
     communicates less."""
     require(lines, ["width", "tier", "comm", "params"], "comm_vs_width")
     require(measured, ["tier", "width", "comm_bytes", "param_bytes"], "comm_vs_width")
@@ -134,7 +134,7 @@ def attention_work(table: pd.DataFrame, title: str = "attention work per rank, o
                    "backward") -> Figure:
     """One panel per balance: each rank's measured FLOPs (bars) and the formula's (black ticks).
 
-    ``table``: rows of balance, rank, flops, formula (``analysis.context_parallel.work_table``)."""
+    ``table``: rows of balance, rank, flops, formula (``experiments.cp_work.work_table``)."""
     require(table, ["balance", "rank", "flops", "formula"], "attention_work")
     balances = list(dict.fromkeys(table["balance"]))
     fig = figure(2.8)
@@ -157,8 +157,8 @@ def cp_bytes(measured: pd.DataFrame, formula: pd.DataFrame,
     """Two panels, bytes as the recorder counts them and bytes that leave the rank, against the degree: a
     line per method from the formula, measured runs as markers.
 
-    ``measured``: rows of method, degree, counted, sent (``analysis.context_parallel.bytes_table``);
-    ``formula``: the same columns over more degrees (``analysis.context_parallel.bytes_formula``)."""
+    ``measured``: rows of method, degree, counted, sent (``read.cp.bytes_table``);
+    ``formula``: the same columns over more degrees (``cost.cp.bytes_formula``)."""
     require(measured, ["method", "degree", "counted", "sent"], "cp_bytes")
     require(formula, ["method", "degree", "counted", "sent"], "cp_bytes")
     fig = figure(3.0)

@@ -101,7 +101,7 @@ def solution(name: str) -> Callable[..., Any]:
 
 @dataclass
 class ZooRun:
-    """One run of a zoo program: every rank's record, or the launch's error; ``result`` for dtlab.analysis.
+    """One run of a zoo program: every rank's record, or the launch's error; ``result`` for dtlab.read.
 
     For a bug run with Flight Recorder: ``flight`` holds each rank's dump and ``diagnosis`` what they say
     (the rank, the collective, its sequence number; see ``dtlab.core.flight_diagnosis``)."""
@@ -115,7 +115,7 @@ class ZooRun:
 
     @property
     def result(self) -> RunResult:
-        """The recorded collectives as a RunResult (``dtlab.analysis.stragglers.straggler(run.result)``)."""
+        """The recorded collectives as a RunResult (``dtlab.read.stragglers.straggler(run.result)``)."""
         if self.ranks is None:
             raise ValueError(f"the {self.name} run failed, so there is nothing to analyse: {self.report}")
         return as_run_result(self.ranks)

@@ -172,7 +172,7 @@ def check(bug: Bug, fn: Callable[..., Any], timeout_s: float) -> CheckResult:
 
 
 def as_run_result(ranks: Sequence[RankRun], wall_s: float = 0.0) -> RunResult:
-    """The ranks' recorded calls as a RunResult, for ``dtlab.analysis`` (stragglers, timelines)."""
+    """The ranks' recorded calls as a RunResult, for ``dtlab.read`` (stragglers, timelines)."""
     return RunResult(None, [RankResult(rank=r, steps=[], memory={}, events=run.events, phases=[],
                                        params_checksum=0.0) for r, run in enumerate(ranks)], wall_s)
 

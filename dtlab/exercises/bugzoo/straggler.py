@@ -5,7 +5,7 @@ cut into contiguous halves: rank 1 gets all the long sequences, and loading a
 sequence takes time in proportion to its length. Under synchronous data
 parallelism every rank waits in the gradient all-reduce for the last one to
 arrive, so step times cannot say who is slow; when each rank *enters* the
-all-reduce can (``dtlab.analysis.stragglers``). Fix: shard so that every rank
+all-reduce can (``dtlab.read.stragglers``). Fix: shard so that every rank
 gets a mix of lengths (every world_size-th sample, or a shuffle).
 """
 
@@ -31,12 +31,12 @@ WORK_RATIO = 2.0  # a rank working this many times longer per step than another 
 DESCRIPTION = (
     f"train(info) loads each of its samples (a sequence of LENGTHS[i] tokens; loading takes time per token) and "
     f"trains a small MLP on them in batches of {BATCH}, averaging gradients with kit.average_gradients; it returns "
-    "the model. First name the slow rank: check('straggler', rank) with the rank dtlab.analysis.stragglers finds. "
+    "the model. First name the slow rank: check('straggler', rank) with the rank dtlab.read.stragglers finds. "
     "Then fix the program: check('straggler', train). Checked at world size 2: it must train the same model on both "
     f"ranks for at least 3 steps, and no rank may work more than {WORK_RATIO:g}x as long per step between "
     f"all-reduces as another (or the median arrival skew must stay under {SKEW_TOL_S * 1e3:g} ms)."
 )
-TOOL = "dtlab.analysis.stragglers on the recorded run: when each rank enters each collective"
+TOOL = "dtlab.read.stragglers on the recorded run: when each rank enters each collective"
 
 
 
@@ -141,7 +141,7 @@ def judge_answer(rank: int, ranks: list[RankRun]) -> tuple[bool, str]:
     cost = statistics.median(skews[1:]) * 1e3
     if rank != slow:
         return False, (f"rank {rank} is not the one the others wait for: measure when each rank enters each "
-                       "all-reduce (dtlab.analysis.stragglers.straggler on the recorded run).")
+                       "all-reduce (dtlab.read.stragglers.straggler on the recorded run).")
     return True, (f"rank {slow} arrives last at {last.count(slow)} of {len(last)} all-reduces; the others wait "
                   f"{cost:.1f} ms per step (median). Now fix the program: check('straggler', your_train).")
 
