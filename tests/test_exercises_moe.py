@@ -144,7 +144,7 @@ def test_the_routing_is_uneven_and_every_rank_sends_and_receives_the_same_rows()
 
 
 def test_moe_dispatch_is_registered_described_and_hinted():
-    assert exercises.names()[-2:] == ("moe_dispatch", "layer_flops")  # layer_flops (notebook 18) comes after
+    assert exercises.names()[-2:] == ("moe_dispatch", "layer_flops")  # layer_flops (notebook 19) comes after
     text = exercises.describe("moe_dispatch")
     assert text.startswith("Write fn(x: torch.Tensor, expert_of: torch.Tensor, experts) -> torch.Tensor")
     assert "Checked at world sizes 2 and 4" in text and "\n" not in text and EX.world_sizes == (2, 4)

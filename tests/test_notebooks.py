@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,32 @@ def test_there_are_notebooks():
 def test_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code")
+
+
+# A cell that calls the exercises or the bug zoo is the learner's to write; the rest is the lesson, kept short.
+LEARNER_CELL = re.compile(r"\b(exercises|bugzoo)\.")
+INLINE_DRAWING = re.compile(r"\bFigure\(|\bplt\.|\.subplots\(|\bax\.(plot|bar|barh|scatter|imshow)\(")
+
+
+def code_lines(source: str) -> int:
+    return sum(1 for line in source.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_lesson_is_short_and_draws_through_the_package(path):
+    nb = nbformat.read(path, as_version=4)
+    lesson = [c.source for c in nb.cells if c.cell_type == "code" and not LEARNER_CELL.search(c.source)]
+    assert sum(code_lines(s) for s in lesson) <= 150, f"{path.name}: move plumbing into the package"
+    drawn = [s.splitlines()[0] for s in lesson if INLINE_DRAWING.search(s)]
+    assert not drawn, f"{path.name} draws a figure inline (put it in dtlab.plots): {drawn}"
+    assert not re.search(r"import \w+ as \w+_runs\b", "\n".join(lesson)), f"{path.name}: no *_runs aliases"
+
+
+def test_the_checks_above_catch_what_they_look_for():
+    assert code_lines("a = 1\n\n# why\nb = 2\n") == 2
+    assert INLINE_DRAWING.search("fig = Figure(figsize=(3, 2))") and INLINE_DRAWING.search("ax.barh(x, y)")
+    assert not INLINE_DRAWING.search("plots.checkpointing(table)")
+    assert LEARNER_CELL.search("exercises.check('tp_mlp', my_tp_mlp)") and not LEARNER_CELL.search("plots.gantt(f)")
 
 
 @pytest.mark.slow
@@ -75,7 +102,7 @@ def test_the_book_builds_offline_from_the_executions_and_a_page_shows_a_plot_and
     for page in [out / "index.html", *pages, *docs]:
         assert not REMOTE.search(page.read_text()), page.name  # nothing loaded from a CDN, MathJax included
     with_formulas = [page for page in [*pages, *docs] if "<msub>" in page.read_text()]
-    assert with_formulas, "notebook 16's load-balancing loss is a formula with subscripts, rendered as MathML"
+    assert with_formulas, "notebook 17's load-balancing loss is a formula with subscripts, rendered as MathML"
     compare = (out / "notebooks" / "11_compare.html").read_text()
     assert "make lab" in compare, "a widget is replaced by a note saying where it runs"
 

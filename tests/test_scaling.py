@@ -1,4 +1,4 @@
-"""Notebook 18's analysis: published runs on one scale, the critical-batch formulas, the check on this machine's
+"""Notebook 19's analysis: published runs on one scale, the critical-batch formulas, the check on this machine's
 prediction (on a hand-made roofline and link: no process starts), and the two figures drawn from small tables."""
 
 from __future__ import annotations

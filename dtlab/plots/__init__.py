@@ -20,12 +20,20 @@ from dtlab.plots.placement import (
 from dtlab.plots.quantised import bytes_vs_drift
 from dtlab.plots.runs import gantt, loss_curves, memory_breakdown, speedup, step_breakdown, timeline
 from dtlab.plots.scaling import critical_batch, published_scaling
-from dtlab.plots.sequence import attention_work, calls_by_tag, checkpointing, comm_vs_width, cp_bytes, ring_messages
+from dtlab.plots.sequence import (
+    activations_saved,
+    attention_work,
+    calls_by_tag,
+    checkpointing,
+    comm_vs_width,
+    cp_bytes,
+    ring_messages,
+)
 from dtlab.plots.style import LINESTYLES, MEMORY_COLORS, PHASE_COLORS, TIER_PALETTE, WIDTH, save
 
 __all__ = ["LINESTYLES", "MEMORY_COLORS", "PHASE_COLORS", "TIER_PALETTE", "WIDTH", "bandwidth", "draw_matrix",
            "draw_mesh", "draw_placement", "elastic_timeline", "gantt", "held_slices", "link_sweep", "loss_curves",
            "memory_breakdown", "pipeline_schedule", "predicted_vs_measured", "save", "speedup", "speedup_curve",
            "stage_placements", "step_breakdown", "sweep", "timeline", "weight_placements", "loss_vs_time",
-           "replica_timeline", "attention_work", "calls_by_tag", "checkpointing", "comm_vs_width", "cp_bytes",
-           "ring_messages", "critical_batch", "published_scaling", "bytes_vs_drift"]
+           "replica_timeline", "activations_saved", "attention_work", "calls_by_tag", "checkpointing",
+           "comm_vs_width", "cp_bytes", "ring_messages", "critical_batch", "published_scaling", "bytes_vs_drift"]

@@ -202,3 +202,22 @@ def checkpointing(table: pd.DataFrame) -> Figure:
         ax.grid(axis="x", alpha=0.3)
     fig.legend(*ax_t.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False, fontsize=8)
     return fig
+
+
+def activations_saved(act: pd.Series, title: str = "") -> Figure:
+    """A bar per run of the bytes it saves for backward. ``act``: run label -> bytes; a label with "SP" is drawn
+    as sequence parallelism, one with "tp" as tensor parallelism, the rest grey."""
+    if act.empty:
+        raise ValueError("activations_saved: no runs to draw")
+    mb = act / 1e6
+    colors = ["tab:purple" if "SP" in n else "tab:red" if "tp" in n else "0.6" for n in act.index]
+    fig = figure(0.45 * len(act) + 1.0)
+    ax = fig.subplots()
+    ax.barh(act.index, mb, color=colors, height=0.6)
+    for y, v in enumerate(mb):
+        ax.text(v, y, f" {v:.2f} MB", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, mb.max() * 1.2)
+    ax.set(xlabel="activations saved for backward (MB)", title=title)
+    ax.grid(axis="x", alpha=0.3)
+    return fig

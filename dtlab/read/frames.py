@@ -1,7 +1,9 @@
-"""Derived tables from RunResults: overlap of communication with compute, memory and time breakdowns."""
+"""Derived tables from RunResults: overlap of communication with compute, memory and time breakdowns, the steady
+step, activation checkpointing."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dtlab.core.results import RunResult
@@ -69,3 +71,24 @@ def dataparallel_lanes(result: RunResult, step: int) -> Any:
     df["lane"] = ("replica " + replica).where(replica.notna(), "master")
     df["phase"] = df["phase"].str.replace(r"^dp_", "", regex=True).str.replace(r":\d+$", "", regex=True)
     return df.sort_values(["lane", "start"], key=lambda c: c if c.name != "lane" else c != "master")
+
+
+def steady_step_s(result: RunResult, column: str = "total") -> float:
+    """Median over the steady steps of the slowest rank's ``column`` (seconds): what a step costs once warm."""
+    return float(result.steady().groupby("step")[column].max().median())
+
+
+def checkpointing_table(runs: Mapping[tuple[str, bool], RunResult]) -> Any:
+    """One row per run of ``(tier, checkpointing) -> result``: rank 0's activations, the steady step, the part
+    recomputed, and the largest parameter difference from the same tier without checkpointing (0 expected:
+    recomputation changes what is kept, not what is computed). For ``plots.checkpointing``."""
+    import pandas as pd
+
+    rows = []
+    for (tier, ac), r in runs.items():
+        rows.append({"run": f"{tier}{' + checkpointing' if ac else ''}",
+                     "activations_MB": r.ranks[0].memory["activations"] / 1e6,
+                     "step_ms": steady_step_s(r) * 1e3,
+                     "recompute_ms": steady_step_s(r, "recompute") * 1e3 if ac else 0.0,
+                     "diff_vs_without": r.max_param_diff(runs[(tier, False)])})
+    return pd.DataFrame(rows)

@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pandas as pd
 
 from dtlab.core.results import RunResult
+from dtlab.cost.tp import by_op_and_bytes, textbook_collectives
 
-__all__ = ["calls_by_tag", "recorded_per_step"]
+__all__ = ["against_book", "calls_by_tag", "recorded_per_step"]
 
 
 def recorded_per_step(events: pd.DataFrame, steps: range) -> pd.DataFrame:
@@ -27,3 +30,17 @@ def calls_by_tag(result: RunResult, rank: int = 0) -> pd.DataFrame:
     ev = ev.assign(tag=ev["tag"].replace("", "(none)"))
     order = list(dict.fromkeys(ev.sort_values("seq")["tag"]))
     return (ev.groupby(["tag", "op"]).size() / result.config.steps).unstack(fill_value=0).reindex(order)
+
+
+def against_book(runs: Mapping[str, RunResult], vocab: int = 0) -> pd.DataFrame:
+    """Per run and (op, bytes per call): the calls per step ``textbook_collectives`` says rank 0 must issue,
+    beside the calls it recorded. Columns variant, op, bytes per call, textbook calls, recorded calls."""
+    rows = []
+    for name, r in runs.items():
+        book = by_op_and_bytes(textbook_collectives(r.config, vocab=vocab))
+        recorded = recorded_per_step(r.events_frame(), range(r.config.steps))
+        seen = {(op, b): calls for op, b, calls in recorded.itertuples(index=False)}
+        for op, b in sorted(book.keys() | seen.keys()):
+            rows.append({"variant": name, "op": op, "bytes per call": b, "textbook calls": book.get((op, b), 0),
+                         "recorded calls": seen.get((op, b), 0)})
+    return pd.DataFrame(rows, columns=["variant", "op", "bytes per call", "textbook calls", "recorded calls"])

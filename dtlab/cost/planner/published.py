@@ -1,4 +1,4 @@
-"""The published runs beside the planner's predictions, in the shape notebook 18's figures read.
+"""The published runs beside the planner's predictions, in the shape notebook 19's figures read.
 
 ``published_frame`` predicts every run of a table in ``planner.runs.SCHEMA`` (``data/published_runs.csv``
 by default) at its published layout (``planner.validate.predict``) and puts each on one scale: the
