@@ -12,6 +12,9 @@ import pytest
 
 from dtlab.cost import links as costmodel
 from dtlab.cost.estimate import calibration, step
+from dtlab.cost.links.alpha_beta import coefficients
+from dtlab.cost.links.bound import BOUND_NOTE, bounding_link
+from dtlab.cost.links.linkset import calibrate_ops
 from dtlab.cost.roofline.cpu import Roofline
 from dtlab.experiments import speedup as sp
 from dtlab.plots import save
@@ -283,9 +286,28 @@ def test_an_unfittable_calibration_sweep_is_swept_once_more_then_named(monkeypat
     with pytest.warns(UserWarning, match="sweep 1 could not be fitted.*sweeping again"):
         link = calibration.calibrate_link(2, quick=True)
     assert link.links["all_reduce"].beta_s_per_byte == pytest.approx(1e-9, rel=1e-3)
+    # loaded twice: the link is bounded (alpha from the smallest message, beta from the largest), said in one line
     monkeypatch.setattr(calibration.collectives, "sweep", lambda *a, **k: _synthetic_sweep(-1e-12))
+    with pytest.warns(UserWarning, match="sweep 2 could not be fitted either .*going on with the bounded"):
+        bounded = calibration.calibrate_link(2, quick=True)
+    ar = bounded.links["all_reduce"]
+    a, b = coefficients("all_reduce", 2)
+    assert ar.alpha_s == pytest.approx((1e-4 - 1e-12 * 4096) / a) and ar.beta_s_per_byte > 0
+    assert ar.beta_s_per_byte == pytest.approx((1e-4 - 1e-12 * (4 << 20)) / (b * (4 << 20)))
+    assert BOUND_NOTE in ar.label
+    # without a fallback the caller still gets the error
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no positive per-byte cost"):
-        calibration.calibrate_link(2, quick=True)
+        calibration.fitted_sweep(lambda: _synthetic_sweep(-1e-12), lambda f: calibrate_ops(f, ("all_reduce",)))
+
+
+def test_a_loaded_sweep_gives_a_bounded_link_and_no_traceback():
+    loaded = _synthetic_sweep(-1e-12)
+    link = bounding_link(loaded, "all_gather")
+    a, b = coefficients("all_gather", 2)
+    assert link.alpha_s == pytest.approx((1e-4 - 1e-12 * 4096) / a) and link.beta_s_per_byte > 0
+    assert link.predict("all_gather", 4 << 20) >= 1e-4 - 1e-12 * (4 << 20)  # never below what the largest took
+    with pytest.raises(ValueError, match="no broadcast on more than one rank"):
+        bounding_link(loaded[loaded["op"] != "broadcast"], "broadcast")
 
 
 def test_the_cost_model_benchmark_sweeps_its_calibration_again_where_the_first_cannot_be_fitted(monkeypatch):

@@ -22,6 +22,7 @@ import pandas as pd
 
 from dtlab.cost.links import sweep as collectives
 from dtlab.cost.links.alpha_beta import LinkModel
+from dtlab.cost.links.bound import BOUND_NOTE, bounding_links
 from dtlab.cost.links.busy import BUSY_ROUNDS, with_busy
 from dtlab.cost.links.linkset import LinkSet, calibrate_ops
 
@@ -33,30 +34,39 @@ QUICK_BUSY_ROUNDS = 3  # a smoke run: enough to exercise the code, not a measure
 Fit = TypeVar("Fit")
 
 
-def fitted_sweep(sweep: Callable[[], pd.DataFrame],
-                 fit: Callable[[pd.DataFrame], Fit]) -> tuple[Fit, pd.DataFrame]:
+def fitted_sweep(sweep: Callable[[], pd.DataFrame], fit: Callable[[pd.DataFrame], Fit],
+                 fallback: Callable[[pd.DataFrame], Fit] | None = None) -> tuple[Fit, pd.DataFrame]:
     """``fit(sweep())`` and the sweep it fitted. A sweep that cannot be fitted (``fit`` raises ValueError: no
-    positive per-byte cost, as when other work on the machine stalls it) is swept once more, with a warning;
-    the second's error is raised."""
+    positive per-byte cost, as when other work on the machine stalls it) is swept once more, with a warning.
+    Where the second cannot be fitted either, ``fallback`` (a ``bound.bounding_link``, say) gives the answer,
+    said in one line; without one, the second's error is raised."""
     frame = sweep()
     try:
         return fit(frame), frame
     except ValueError as err:
         warnings.warn(f"calibration: sweep 1 could not be fitted ({err}); sweeping again", stacklevel=2)
     frame = sweep()
-    return fit(frame), frame
+    if fallback is None:
+        return fit(frame), frame
+    try:
+        return fit(frame), frame
+    except ValueError as err:
+        warnings.warn(f"calibration: sweep 2 could not be fitted either ({err}); going on with the {BOUND_NOTE}",
+                      stacklevel=2)
+    return fallback(frame), frame
 
 
 def calibrate_link(world_size: int = 2, ops: Sequence[str] = LINK_OPS, *, quick: bool = False) -> LinkSet:
     """One link per op in ``ops``, fitted on a sweep of those ops at ``world_size`` (``quick``: a few sizes
     and repeats, a smoke test). ``busy_s`` is not measured here: ``RoundLinks`` adds it per round. A sweep that
-    cannot be fitted is swept once more (``fitted_sweep``)."""
+    cannot be fitted is swept once more, then bounded (``fitted_sweep``)."""
     sizes, repeats = ((collectives.QUICK_CALIBRATION_SIZES, collectives.QUICK_CALIBRATION_REPEATS) if quick
                       else (collectives.CALIBRATION_SIZES, SWEEP_REPEATS))
     label = f"gloo loopback, calibrated at n={world_size}"
     link, _ = fitted_sweep(
         lambda: collectives.sweep(world_size, ops=tuple(ops), sizes=sizes, repeats=repeats, per_repeat=True),
-        lambda sweep: calibrate_ops(sweep, tuple(ops), label=label))
+        lambda sweep: calibrate_ops(sweep, tuple(ops), label=label),
+        lambda sweep: bounding_links(sweep, tuple(ops), label=label))
     return link
 
 
