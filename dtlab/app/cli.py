@@ -30,7 +30,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-size", type=int, default=d.model_size, help="width of the built-in model")
     p.add_argument("--model-depth", type=int, default=d.model_depth, help="mlp hidden layers / charformer blocks")
     p.add_argument("--heads", type=int, default=d.model_heads, help="charformer / moe attention heads")
-    p.add_argument("--dataset", default=d.dataset, help="digits, synthetic or text")
+    p.add_argument("--dataset", default=d.dataset, help="digits, synthetic, text or package.module:factory")
     p.add_argument("--dataset-size", type=int, default=d.dataset_size, help="samples (synthetic only)")
     p.add_argument("--batch-size", type=int, default=d.global_batch_size, help="global batch size")
     p.add_argument("--steps", type=int, default=d.steps)

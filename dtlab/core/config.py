@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dtlab.core import registry
+from dtlab.core import own_data, registry
 
 MODELS = ("mlp", "cnn", "cnn-bn", "charformer", "moe")
 TEXT_MODELS = ("charformer", "moe")  # the models that read characters (dataset="text")
@@ -29,8 +29,8 @@ def _fail(field_name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"RunConfig.{field_name}={value!r} is invalid: {allowed}")
 
 
-def resolve_import_path(path: str) -> Callable[..., Any]:
-    """Turn ``package.module:factory`` into the callable it names."""
+def resolve_import_path(path: str, kind: str = "model factory") -> Callable[..., Any]:
+    """Turn ``package.module:factory`` into the callable it names (``kind``: what errors call it)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{path!r} is not of the form 'package.module:factory'")
@@ -44,8 +44,17 @@ def resolve_import_path(path: str) -> Callable[..., Any]:
             raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"{path!r} names {type(obj).__name__}, not a callable model factory")
+        raise ValueError(f"{path!r} names {type(obj).__name__}, not a callable {kind}")
     return obj
+
+
+def dataset_factory(spec: str | Callable[..., Any]) -> Callable[..., Any] | None:
+    """The factory behind ``RunConfig.dataset`` (a callable or an import path); None for a built-in name."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and ":" in spec:
+        return resolve_import_path(spec, "data set factory")
+    return None
 
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -70,6 +79,11 @@ def shared_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
+def needs_text(spec: registry.TierSpec) -> bool:
+    """Whether a tier splits only the built-in token models, so needs ``dataset='text'``."""
+    return bool(spec.models) and set(spec.models) <= set(TEXT_MODELS)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A training job. Tier-specific knobs live in ``tier_options``.
@@ -77,7 +91,9 @@ class RunConfig:
     ``model`` is a built-in name (see ``MODELS``), an import path
     ``package.module:factory`` or a callable ``factory(input_shape, num_classes)``
     (a function defined in a notebook cell works: it is sent to the ranks with
-    cloudpickle).
+    cloudpickle). ``dataset`` likewise: a built-in name (see ``DATASETS``), or an
+    import path or callable ``factory()`` returning ``(inputs, targets)`` tensors or a
+    ``torch.utils.data.Dataset`` (see ``dtlab.core.own_data``; ``dataset_size`` is then unused).
     """
 
     tier: str = "single"
@@ -86,7 +102,7 @@ class RunConfig:
     model_size: int = 64
     model_depth: int = 2  # hidden layers of the mlp, blocks of the charformer
     model_heads: int = 2  # the charformer's (and the moe model's) attention heads; each is model_size / heads wide
-    dataset: str = "digits"
+    dataset: str | Callable[..., Any] = "digits"
     dataset_size: int = 2048
     global_batch_size: int = 64
     steps: int = 50
@@ -138,8 +154,8 @@ class RunConfig:
                 _fail("model", self.model, f"choose one of {', '.join(MODELS)} or 'package.module:factory'")
         elif not callable(self.model):
             _fail("model", self.model, "must be a name, an import path or a callable")
-        if self.dataset not in DATASETS:
-            _fail("dataset", self.dataset, f"choose one of {', '.join(DATASETS)}")
+        spec = registry.get(self.tier)
+        own = self._check_dataset_kind(spec)
         if self.model in TEXT_MODELS and self.dataset != "text":
             _fail("model", self.model, f"{self.model} reads characters: use dataset='text'")
         if self.dataset == "text" and self.model in ("mlp", "cnn", "cnn-bn"):
@@ -165,7 +181,6 @@ class RunConfig:
             rank, _ = parse_slow_rank(self.slow_rank)
             if rank >= self.world_size:
                 _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
-        spec = registry.get(self.tier)
         if self.optimizer not in spec.optimizers:
             able = [n for n in registry.names() if self.optimizer in registry.get(n).optimizers]
             _fail("optimizer", self.optimizer, f"the {self.tier} tier steps {' and '.join(spec.optimizers)} only; "
@@ -178,6 +193,33 @@ class RunConfig:
         elif type(self.tier_options) is not spec.options:
             _fail("tier_options", self.tier_options, f"tier {self.tier!r} takes {spec.options.__module__}.Options")
         spec.validate(self)
+        if own:  # last: it calls the factory, after every check that costs nothing
+            self._check_own_data()
+
+    def _check_dataset_kind(self, spec: registry.TierSpec) -> bool:
+        """A built-in name, or data of one's own that the tier and the model can train on (True)."""
+        try:
+            own = dataset_factory(self.dataset) is not None
+        except ValueError as exc:
+            _fail("dataset", self.dataset, str(exc))
+        if not own:
+            if not isinstance(self.dataset, str) or self.dataset not in DATASETS:
+                _fail("dataset", self.dataset, f"choose one of {', '.join(DATASETS)}, an import path "
+                      f"'package.module:factory' or a callable factory()")
+            return False
+        if self.model in TEXT_MODELS:
+            raise own_data.invalid(self.dataset, f"model={self.model!r} reads the built-in token data "
+                                   f"(dataset='text'); data of your own trains mlp, cnn, cnn-bn or a model of your own")
+        if needs_text(spec):
+            able = [n for n in registry.names() if not needs_text(registry.get(n))]
+            raise own_data.invalid(self.dataset, f"the {self.tier} tier splits the built-in "
+                                   f"{' / '.join(spec.models)} over the text's tokens, so it needs dataset='text'; "
+                                   f"data of your own runs on {', '.join(able)}")
+        return True
+
+    def _check_own_data(self) -> None:
+        builtin = self.model if isinstance(self.model, str) and self.model in MODELS else ""
+        own_data.check(dataset_factory(self.dataset), self.dataset, self.seed, self.global_batch_size, builtin)
 
     def _check_flight_recorder(self, spec: registry.TierSpec) -> None:
         if not isinstance(self.flight_recorder, bool):
@@ -245,7 +287,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        """The inverse of ``to_dict`` (for a config file), validated; the model must be a name or import path."""
+        """The inverse of ``to_dict`` (for a config file), validated; the model and the data set must be names
+        or import paths."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -266,6 +309,8 @@ class RunConfig:
         if callable(self.model):
             target = getattr(self.model, "func", self.model)  # functools.partial: name the function
             out["model"] = getattr(target, "__qualname__", type(target).__name__)
+        if callable(self.dataset):
+            out["dataset"] = own_data.label(self.dataset)
         out["tier_options"] = dataclasses.asdict(self.tier_options)
         return out
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from dtlab.core import data as datasets
-from dtlab.core import models
-from dtlab.core.config import RunConfig
+from dtlab.core import models, own_data
+from dtlab.core.config import RunConfig, dataset_factory
 from dtlab.core.moe import Routing
 from dtlab.core.muon import Muon
 
@@ -33,7 +33,14 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def load_data(cfg: RunConfig) -> datasets.Dataset:
-    """The job's data set, its floating-point inputs in the job's dtype."""
+    """The job's data set, its floating-point inputs in the job's dtype.
+
+    Data of one's own comes from its factory, called here on every rank (seeded as in RunConfig's checks), so
+    every rank holds the same samples and the same train / held-out split.
+    """
+    factory = dataset_factory(cfg.dataset)
+    if factory is not None:
+        return own_data.load(factory, cfg.dataset, cfg.seed, torch_dtype(cfg))
     return datasets.load(cfg.dataset, cfg.dataset_size, cfg.seed, torch_dtype(cfg))
 
 

@@ -209,7 +209,7 @@ class RunResult:
             "steps": cfg.steps,
             "global_batch_size": cfg.global_batch_size,
             "model": cfg.to_dict()["model"],
-            "dataset": cfg.dataset,
+            "dataset": cfg.to_dict()["dataset"],
             "median_step_s": self.median_step_s(),
             "samples_per_s": self.samples_per_s(),
             "final_loss": self.final_loss(),

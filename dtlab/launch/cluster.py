@@ -149,6 +149,9 @@ def plan(cfg: RunConfig, *, nnodes: int, nproc_per_node: int, master_addr: str, 
     if callable(cfg.model):
         raise ValueError(f"RunConfig.model={cfg.model!r} cannot be sent to a cluster in config.json: give a "
                          f"built-in name or an import path 'package.module:factory' every node can import")
+    if callable(cfg.dataset):
+        raise ValueError(f"RunConfig.dataset={cfg.dataset!r} cannot be sent to a cluster in config.json: give a "
+                         f"built-in name or an import path 'package.module:factory' every node can import")
     world = nnodes * nproc_per_node
     if cfg.world_size not in (1, world):
         raise ValueError(f"RunConfig.world_size={cfg.world_size} does not match the cluster: nnodes x "
