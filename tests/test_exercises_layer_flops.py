@@ -15,7 +15,7 @@ from dtlab.cost.planner.transformer import TransformerSpec
 from dtlab.exercises import _progress, layer_flops
 from dtlab.exercises.layer_flops import Shape, draw_shapes, planner_count
 
-SEEDS = range(25)  # each wrong count is judged on the shapes of 25 draws, and once more as check() draws them
+SEEDS = range(1000, 1025)  # each wrong count is judged on the shapes of 25 draws, and once more as check() draws them
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,15 @@ def through_stage_ops(hidden, heads, kv_heads, ffn, seq, batch, dtype_bytes, gat
     return (sum(op.flops * op.count for op in ops if op.kind != "memory"), sum(op.bytes * op.count for op in ops))
 
 
-WRONG = {  # the mistake -> what the feedback must say
+KNOWN = {shape.args(): planner_count(shape) for seed in range(50) for shape in draw_shapes(random.Random(seed))}
+
+
+def pasted_answers(*args):
+    """The answers for the shapes of 50 draws, written down beforehand: right wherever they are known."""
+    return KNOWN[args]
+
+
+COUNTS = {  # the mistake -> what the feedback must say
     "per_mac=1": (dict(per_mac=1), "a multiply-add is 2 FLOPs"),
     "attention at one FLOP per multiply-add": (dict(attention=2), "are T seq hidden multiply-adds each over all the "
                                                                   "heads, and a multiply-add is 2 FLOPs"),
@@ -78,7 +86,14 @@ WRONG = {  # the mistake -> what the feedback must say
     "no residual adds": (dict(adds=False), "the two residual adds are missing"),
     "Q, K and V apart": (dict(fused_qkv=False), "Q, K and V read the layer's input three times"),
 }
-PLANNER = (through_planner_count, through_stage_ops)
+WRONG = {name: (functools.partial(counted, **changes), phrase) for name, (changes, phrase) in COUNTS.items()}
+WRONG.update({  # the cheats
+    "the planner's count through the exercise's helper": (through_planner_count, "your function called the planner "
+                                                          "(dtlab.cost.planner."),
+    "the planner's count through stage_ops": (through_stage_ops, "your function called the planner "
+                                              "(dtlab.cost.planner."),
+    "answers written down beforehand": (pasted_answers, "your function raised KeyError with hidden="),
+})
 
 
 def test_drawn_shapes_are_of_the_four_kinds_and_the_reference_equals_the_planners_count_on_each():
@@ -112,8 +127,7 @@ def test_the_reference_passes_in_this_process_and_is_recorded(tmp_path):
 
 @pytest.mark.parametrize("mistake", WRONG, ids=list(WRONG))
 def test_a_wrong_count_is_named_by_its_term(mistake):
-    changes, phrase = WRONG[mistake]
-    fn = functools.partial(counted, **changes)
+    fn, phrase = WRONG[mistake]
     for seed in SEEDS:
         feedback = layer_flops.judge(fn, draw_shapes(random.Random(seed)))
         assert feedback is not None and phrase in feedback, (seed, feedback)
@@ -121,22 +135,14 @@ def test_a_wrong_count_is_named_by_its_term(mistake):
     assert not result.passed and phrase in result.feedback, result.feedback
 
 
-@pytest.mark.parametrize("fn", PLANNER, ids=[fn.__name__ for fn in PLANNER])
-def test_the_planners_own_count_is_refused(fn):
-    result = exercises.check("layer_flops", fn)
-    assert not result.passed
-    assert "your function called the planner (dtlab.cost.planner." in result.feedback, result.feedback
-    assert "the planner's own count is no answer. Count the ops yourself" in result.feedback
-
-
-def test_answers_written_down_before_the_check_fail():
-    known = {shape.args(): planner_count(shape) for seed in range(50) for shape in draw_shapes(random.Random(seed))}
-
-    def pasted(*args):
-        return known[args]
-
-    result = exercises.check("layer_flops", pasted)
-    assert not result.passed and "your function raised KeyError with hidden=" in result.feedback, result.feedback
+def test_the_cheats_pass_where_they_could_know_the_shapes():
+    """What fails them is the check, not a mistake of theirs: each is right where the planner or the pasted table
+    answers without being found out."""
+    for seed in range(50):
+        shapes = draw_shapes(random.Random(seed))
+        assert layer_flops.judge(pasted_answers, shapes) is None
+        assert all(through_stage_ops(*shape.args()) == planner_count(shape) for shape in shapes)
+    assert "the planner's own count is no answer. Count the ops yourself" in layer_flops.judge(through_stage_ops)
 
 
 def test_the_stub_a_wrong_return_and_an_error_are_named():
