@@ -1,6 +1,7 @@
 """Exercise ulysses_attention: the reference and other correct designs pass; gathering, point-to-point rings, a
-missing mask, a wrong scale, heads or blocks put back in the wrong places, a missing return trip and extra bytes fail
-saying why.
+missing mask, a wrong scale (a common one named, any other fitted), a softmax that overflows, heads or blocks put
+back in the wrong places, a missing return trip or inverse all-to-all, extra bytes, uneven splits and keys and values
+of every head relayed to the ranks that attend with them fail saying why.
 
 Each wrong solution below is a mistake a learner makes; its row asserts on the part of the feedback that names it.
 Every function (right or wrong) shares one launch per world size (``check_each``). Names imported from
@@ -169,6 +170,62 @@ def no_return_trip(q, k, v):
     return F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True)
 
 
+def softmax_without_the_row_max(q, k, v):
+    """exp(scores) straight: with the large scores, exp overflows float32 and the softmax gives NaN."""
+    n, (h, t, d) = dist.get_world_size(), q.shape
+    full = heads_out(q, k, v)
+    s = full[0] @ full[1].transpose(-2, -1) / math.sqrt(d)
+    e = torch.exp(s).masked_fill(torch.ones(n * t, n * t, dtype=torch.bool).triu(1), 0)
+    y = e / e.sum(-1, keepdim=True) @ full[2]
+    return exchange(y.reshape(h // n, n, t, d).transpose(0, 1)).reshape(h, t, d)
+
+
+def scaled_by_the_model_width(q, k, v):
+    """1/sqrt(heads x head_dim): the width of the whole model, not of a head."""
+    n, (h, t, d) = dist.get_world_size(), q.shape
+    full = heads_out(q, k, v)
+    y = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True, scale=1 / math.sqrt(h * d))
+    return exchange(y.reshape(h // n, n, t, d).transpose(0, 1)).reshape(h, t, d)
+
+
+def scaled_with_a_temperature(q, k, v):
+    """Scores times 0.7 on top of 1/sqrt(head_dim): no common mistake's scale, so it is fitted."""
+    return ulysses_attention.ulysses_attention(q * 0.7, k, v)
+
+
+def without_the_inverse_all_to_all(q, k, v):
+    """This rank's heads over the whole sequence, reshaped to q's shape instead of sent back."""
+    h, t, d = q.shape
+    full = heads_out(q, k, v)
+    return F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=True).reshape(h, t, d)
+
+
+def relayed_in_uneven_splits_padded_to_4x(q, k, v):
+    """No head split: rank 1 gets rank 0's keys and values of every head in an uneven all-to-all whose inputs are
+    padded (rows kept for the sender itself) to exactly 4 x q's bytes; each rank attends its own block."""
+    r, (h, t, d) = dist.get_rank(), q.shape
+    kv = torch.stack([k, v]).reshape(-1, d)
+    rows, pad = kv.shape[0], torch.zeros_like(kv)
+    if r == 0:
+        send, sent, expect = torch.cat([pad, kv]), [rows, rows], [rows, 0]
+    else:
+        send, sent, expect = torch.cat([kv, pad]), [0, 2 * rows], [rows, 2 * rows]
+    got = torch.empty(sum(expect), d)
+    dist.all_to_all_single(got, send, expect, sent)
+    before = got[:rows].reshape(2, h, t, d)[:, :, :0 if r == 0 else t]
+    return _attend_block(q, torch.cat([before[0], k], 1), torch.cat([before[1], v], 1), r * t)
+
+
+def keys_and_values_of_every_head_to_every_rank(q, k, v):
+    """No head split, in even splits: each rank's keys and values of every head to every rank (at n = 2 exactly
+    4 x q's bytes); each rank attends its own block with every head."""
+    n, r, (h, t, d) = dist.get_world_size(), dist.get_rank(), q.shape
+    got = torch.empty(n, 2, h, t, d)
+    dist.all_to_all_single(got, torch.stack([k, v]).expand(n, 2, h, t, d).contiguous())
+    keys, values = (got[:, i].transpose(0, 1).reshape(h, n * t, d) for i in (0, 1))
+    return _attend_block(q, keys, values, r * t)
+
+
 def exchanged_in_float64(q, k, v):
     return ulysses_attention.ulysses_attention(q.double(), k.double(), v.double()).float()
 
@@ -222,6 +279,22 @@ WRONG = {
     exchanged_in_float64: (2, ["rank 0's all-to-alls carried 4,096 bytes with random blocks", "4 × q's 512 bytes = "
                                "2,048 bytes per rank", "Twice the bytes"]),
     every_head_to_every_rank: (4, ["rank 0's all-to-alls carried 8,192 bytes", "send each head group once"]),
+    softmax_without_the_row_max: (2, ["output is wrong with large scores (queries ×50)", "NaN or infinite values, "
+                                      "with scores this large", "Subtract each row's largest score before exp"]),
+    scaled_by_the_model_width: (2, ["The scores are scaled by 1/√(heads × head_dim) = 1/√32 (the model's width, not "
+                                    "a head's), not 1/√head_dim = 1/√8"]),
+    scaled_with_a_temperature: (4, ["The scores are scaled by about 0.2475 (your output is right under that scale), "
+                                    "not 1/√head_dim = 1/√8 ≈ 0.3536"]),
+    without_the_inverse_all_to_all: (2, ["rank 0's output is wrong with random blocks", "It holds the attention of "
+                                         "heads 0, 1 over the whole sequence", "The inverse all-to-all sends each "
+                                         "block of those outputs to the rank whose block it is"]),
+    relayed_in_uneven_splits_padded_to_4x: (2, ["rank 0's all_to_all_single with random blocks sent [32, 32] rows to "
+                                                "ranks 0..1 and received [32, 0]: uneven",
+                                                "Ulysses' exchanges are even"]),
+    keys_and_values_of_every_head_to_every_rank: (2, ["rank 0 held other ranks' keys or values of 4 heads (0, 1, 2, "
+                                                      "3) at once", "with random blocks. Ulysses gives each rank "
+                                                      "heads / n = 2 whole heads",
+                                                      "More means the heads were not split"]),
     EX.stub: (2, ["World size 2: rank 0 raised NotImplementedError", "write Ulysses attention",
                   "exercises.hint('ulysses_attention') when stuck"]),
 }

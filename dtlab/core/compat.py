@@ -39,6 +39,17 @@ def default_group() -> Any:
         raise _missing("torch.distributed.distributed_c10d._get_default_group", exc) from None
 
 
+def default_store() -> Any:
+    """The default process group's store (``distributed_c10d._get_default_store``): the ranks' key-value store, for
+    agreeing on something without a collective of their own."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except AttributeError as exc:
+        raise _missing("torch.distributed.distributed_c10d._get_default_store", exc) from None
+
+
 def backend_class() -> type:
     """The C++ base class of every c10d backend (``torch._C._distributed_c10d.Backend``; the public
     ``torch.distributed.Backend`` is the class of backend names)."""

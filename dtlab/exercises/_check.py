@@ -66,7 +66,8 @@ class Call:
     ``start`` is when it was issued and ``end`` when it was seen complete (None: never waited on), on the
     rank's ``time.perf_counter()`` clock, which every process of one machine shares; ``is_async`` says
     whether it returned a work to wait on (``async_op=True``, ``isend``, ``irecv``). An all-to-all also
-    carries its split sizes, ``input_splits`` and ``output_splits``.
+    carries its split sizes, ``input_splits`` and ``output_splits``; ``dtype`` is what the payload held
+    ("float32", "int64"; "" when the call carried no tensor), which tells tokens from their counts.
     """
 
     op: str
@@ -79,6 +80,7 @@ class Call:
     # output_splits); None for other ops
     input_splits: tuple[int, ...] | None = None
     output_splits: tuple[int, ...] | None = None
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def call_learner(fn: Callable[..., Any], *args: Any, where: str) -> tuple[Any, t
 def _call(ev: Any) -> Call:
     extra = ev.extra or {}
     splits = [tuple(extra[k]) if k in extra else None for k in ("input_splits", "output_splits")]
-    return Call(ev.op, int(ev.bytes), ev.peer, ev.start, ev.end, bool(ev.is_async), *splits)
+    return Call(ev.op, int(ev.bytes), ev.peer, ev.start, ev.end, bool(ev.is_async), *splits, dtype=ev.dtype or "")
 
 
 def recorder_now() -> float:

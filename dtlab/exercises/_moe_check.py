@@ -1,14 +1,18 @@
 """The moe_dispatch exercise's test cases and its judge: the routing, the experts, and what each rank did with them.
 
-Every rank and the judge make the same tokens, routing and experts from fixed seeds, so the judge knows where
-every token should have gone: it names a token by its rank and position, and tells what went wrong by its
-signature -- an even split, a wrong expert-to-rank mapping, swapped split sizes, a missing combine, outputs in
-the order of the experts.
+Every rank and the judge make the same tokens and routing from fixed seeds, so the judge knows where every token
+should have gone: it names a token by its rank and position, and tells what went wrong by its signature -- an even
+split, a wrong expert-to-rank mapping, swapped split sizes, a missing combine, outputs in the order of the experts.
+The experts' weights are not among them: each rank draws its own experts' afresh for every check and reports them
+to the judge, so that no rank can compute another rank's experts itself (nothing to import, nothing to predict).
+The calls that carry tokens are told from the others by what they carry: floating-point rows of at least WIDTH
+values (a token, with any extra columns a learner sends along); the counts are integers.
 """
 
 from __future__ import annotations
 
 import functools
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,28 +21,36 @@ import torch
 from dtlab.exercises._check import Call, ops_used
 from dtlab.exercises._values import max_abs
 
-TOKENS, WIDTH, EXPERTS = 12, 4, 8  # per rank: 12 tokens of 4 values; 8 experts, 4 per rank at n = 2, 2 at n = 4
+# per rank: 12 tokens of 6 values; 8 experts, 4 per rank at n = 2, 2 at n = 4. A row of 6 values is wider than any
+# rank's row of counts (m = 4 or 2 experts), so no shape of the counts passes for a token
+TOKENS, WIDTH, EXPERTS = 12, 6, 8
 WORLD_SIZES = (2, 4)
 CASES = ("uneven routing", "every token choosing expert 0")
 TOL = 1e-5
 _SKEW = torch.tensor([6.0, 1.0, 3.0, 0.5, 2.0, 0.5, 4.0, 1.0])  # a router that prefers some experts
 
 
-@functools.lru_cache(maxsize=1)
-def _weights() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(4242)
-    return torch.randn(EXPERTS, WIDTH, WIDTH, generator=gen), torch.randn(EXPERTS, WIDTH, generator=gen)
+def draw_weights(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and biases of ``m`` experts, drawn from the operating system's randomness: new for every check."""
+    gen = torch.Generator().manual_seed(secrets.randbits(63))
+    return torch.randn(m, WIDTH, WIDTH, generator=gen), torch.randn(m, WIDTH, generator=gen)
 
 
-def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-    """Expert e: an affine map of its own (the same on every rank and in the judge)."""
-    w, b = _weights()
+def expert(weights: tuple[torch.Tensor, torch.Tensor], e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` (an index into ``weights``) applied to ``rows``: an affine map of its own."""
+    w, b = weights
     return rows @ w[e] + b[e]
+
+
+def expected(weights: tuple[torch.Tensor, torch.Tensor], rank: int, n: int, case: int) -> torch.Tensor:
+    """Rank ``rank``'s right output: each of its tokens through the expert it chose (``weights``: every expert's)."""
+    x, expert_of = routing(rank, n, case)
+    return torch.stack([expert(weights, int(e), x[t:t + 1])[0] for t, e in enumerate(expert_of.tolist())])
 
 
 def routing(rank: int, n: int, case: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s tokens (TOKENS × WIDTH) and the expert each chose, at world size ``n`` in case ``case``."""
-    gen = torch.Generator().manual_seed(9176 + 101 * n + rank + 1000 * case)
+    gen = torch.Generator().manual_seed(9178 + 101 * n + rank + 1000 * case)
     x = torch.randn(TOKENS, WIDTH, generator=gen)
     if case == 0:
         return x, torch.multinomial(_SKEW, TOKENS, replacement=True, generator=gen)
@@ -59,36 +71,57 @@ def split_words(splits: object) -> str:
 
 @dataclass(frozen=True)
 class Record:
-    """One rank's run of one case: what fn returned, its calls, each expert call's rows, and when and where it
-    first held another rank's token routed elsewhere (None: never)."""
+    """One rank's run of one case: what fn returned, its calls, each expert call's rows, when and where it first
+    held another rank's token routed elsewhere (None: never), and its own experts' weights and biases."""
 
     out: torch.Tensor | None
     returned: str
     calls: tuple[Call, ...]
     ran: tuple[tuple[int, torch.Tensor], ...]
     foreign: str | None
+    weights: tuple[torch.Tensor, torch.Tensor]
+
+
+def every_expert(ranks: Sequence[Sequence[Record]], case: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's weights and biases, put together from what each rank drew for its own."""
+    return (torch.cat([recs[case].weights[0] for recs in ranks]), torch.cat([recs[case].weights[1] for recs in ranks]))
 
 
 def judge(n: int, ranks: list[list[Record]]) -> str | None:
     for case, name in enumerate(CASES):
+        weights = every_expert(ranks, case)
         for r, recs in enumerate(ranks):
             rec = recs[case]
             # the recorded calls name a mistake most precisely; what the rank held catches what no recorder saw
             problem = (_other_ops(r, rec, name) or _token_calls(r, n, case, rec) or _foreign(r, rec, name)
-                       or _rows(r, n, case, rec) or _output(r, n, case, rec))
+                       or _rows(r, n, case, rec) or _output(r, n, case, rec, weights))
             if problem:
                 return problem
     return None
 
 
+@functools.cache
+def _dtype(name: str) -> torch.dtype | None:
+    dtype = getattr(torch, name, None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _floating(call: Call) -> bool:
+    dtype = _dtype(call.dtype)
+    return dtype is not None and dtype.is_floating_point
+
+
 def _other_ops(r: int, rec: Record, name: str) -> str | None:
-    other = next((c for c in rec.calls if c.op != "all_to_all_single"), None)
+    """Any call may carry integers (the counts); floating-point values travel only in all_to_all_single."""
+    other = next((c for c in rec.calls if c.op != "all_to_all_single" and _floating(c)), None)
     if other is None:
         return None
+    # said only where the rank did hold other ranks' tokens: what a gather carried is known by its values
     why = (" It sends every token to every rank: each rank then holds all the tokens, though its experts need "
-           "only those that chose them." if other.op.startswith(("all_gather", "broadcast")) else "")
-    return (f"rank {r} called dist.{other.op} with {name}: the tokens travel with dist.all_to_all_single only, "
-            "each token to the one rank that holds its expert." + why)
+           "only those that chose them." if other.op.startswith(("all_gather", "broadcast")) and rec.foreign else "")
+    return (f"rank {r} called dist.{other.op} on {other.dtype} values with {name}: the tokens travel with "
+            "dist.all_to_all_single only, each token to the one rank that holds its expert; another call may carry "
+            "the counts (integers), never a token or anything else of floating point." + why)
 
 
 def _foreign(r: int, rec: Record, name: str) -> str | None:
@@ -104,18 +137,19 @@ def _token_calls(r: int, n: int, case: int, rec: Record) -> str | None:
     calls = [c for c in rec.calls if c.op == "all_to_all_single"]
     if any(c.input_splits is None for c in calls):
         return None  # split sizes not recorded: the rows the experts ran on tell the routing instead
-    carrying = [c for c in calls if _carries_rows(c)]
+    carrying = [c for c in calls if carries_rows(c)]
     name = CASES[case]
     if len(carrying) < 2:
-        what = "none of them" if not carrying else "only one, the tokens going out"
+        what = "none of them" if not carrying else "only one, the tokens going out,"
         made = f"made {ops_used(calls)} with {name}, and {what} carried" if calls else (
             f"made no all_to_all_single with {name}, so none carried")
-        return (f"rank {r} {made} rows of {WIDTH} values: the tokens "
+        return (f"rank {r} {made} tokens (floating-point rows of {WIDTH} values or more): the tokens "
                 "go out in one all_to_all_single (the dispatch) and their outputs come back in another, with the "
                 "split sizes reversed (the combine), before they go back to their tokens' places.")
     if len(carrying) > 2:
-        return (f"rank {r} made {len(carrying)} all_to_all_single calls that carried rows of {WIDTH} values with "
-                f"{name}: one for the tokens out, one for their outputs back.")
+        return (f"rank {r} made {len(carrying)} all_to_all_single calls that carried floating-point rows of {WIDTH} "
+                f"values or more with {name}: one for the tokens out, one for their outputs back (the counts go as "
+                "integers).")
     send, recv = route_of(r, n, case)
     dispatch, combine = carrying
     return (_dispatch_splits(r, n, case, dispatch, send, recv)
@@ -123,11 +157,15 @@ def _token_calls(r: int, n: int, case: int, rec: Record) -> str | None:
                        "of the dispatch, reversed (what it received it sends back, what it sent comes back)"))
 
 
-def _carries_rows(call: Call) -> bool:
-    """Whether an all-to-all carried rows of WIDTH values (float32 or float64): tokens or their outputs, not the
-    counts. A rank that sends nothing (every token to its own experts) carries zero rows in zero bytes."""
+def carries_rows(call: Call) -> bool:
+    """Whether an all-to-all carried tokens or their outputs: floating-point rows of WIDTH values or more (a token
+    may travel with extra columns, its expert's id say), not the counts, which are integers. A rank that sends
+    nothing (every token to its own experts) carries zero rows in zero bytes."""
+    dtype = _dtype(call.dtype)
+    if dtype is None or not dtype.is_floating_point:
+        return False
     rows = sum(call.input_splits or ())
-    return call.nbytes == 0 if rows == 0 else call.nbytes in (4 * WIDTH * rows, 8 * WIDTH * rows)
+    return call.nbytes == 0 if rows == 0 else call.nbytes >= WIDTH * rows * dtype.itemsize
 
 
 def _dispatch_splits(r: int, n: int, case: int, call: Call, send: list[int], recv: list[int]) -> str | None:
@@ -196,9 +234,9 @@ def _rows(r: int, n: int, case: int, rec: Record) -> str | None:
     return None
 
 
-def _output(r: int, n: int, case: int, rec: Record) -> str | None:
+def _output(r: int, n: int, case: int, rec: Record, weights: tuple[torch.Tensor, torch.Tensor]) -> str | None:
     x, expert_of = routing(r, n, case)
-    want = torch.stack([expert(int(e), x[t:t + 1])[0] for t, e in enumerate(expert_of.tolist())])
+    want = expected(weights, r, n, case)
     name, y = CASES[case], rec.out
     if y is None:
         return f"rank {r} returned {rec.returned} with {name}: return y, a tensor shaped like x {tuple(x.shape)}."
@@ -214,9 +252,28 @@ def _output(r: int, n: int, case: int, rec: Record) -> str | None:
         return (f"rank {r}'s outputs are right but in the wrong places with {name}: in the order the tokens were "
                 "sent (sorted by expert), not in x's order. Put each output back at its token's position "
                 "(y[order] = back).")
-    bad = int((y - want).abs().amax(-1).argmax())
     if max_abs(y, x) <= TOL:
         return f"rank {r} returned its tokens unchanged with {name}: y[t] is expert expert_of[t]'s output for x[t]."
+    return _only_its_own(r, n, name, y, want, expert_of) or _wrong_row(r, name, y, want, expert_of)
+
+
+def _only_its_own(r: int, n: int, name: str, y: torch.Tensor, want: torch.Tensor,
+                  expert_of: torch.Tensor) -> str | None:
+    """Right for the tokens whose experts are on this rank, wrong for the others: those outputs did not come back."""
+    home = expert_of // (EXPERTS // n)
+    wrong = (y - want).abs().amax(-1) > TOL
+    if not bool(wrong.any()) or bool(wrong[home == r].any()):
+        return None
+    t = int(wrong.nonzero()[0])
+    return (f"rank {r}'s outputs are right for the tokens whose experts it holds, but not for those whose experts "
+            f"are on other ranks with {name} (its token {t}, expert {int(expert_of[t])} on rank {int(home[t])}: "
+            f"{[round(v, 4) for v in y[t].tolist()]}, where that expert gives "
+            f"{[round(v, 4) for v in want[t].tolist()]}). An expert's weights exist on its own rank only, drawn anew "
+            "for every check: those outputs can only come back from there, in the combine.")
+
+
+def _wrong_row(r: int, name: str, y: torch.Tensor, want: torch.Tensor, expert_of: torch.Tensor) -> str:
+    bad = int((y - want).abs().amax(-1).argmax())
     return (f"rank {r}'s output for its token {bad} (expert {int(expert_of[bad])}) is wrong with {name}: "
             f"{[round(v, 4) for v in y[bad].tolist()]} where the expert gives "
             f"{[round(v, 4) for v in want[bad].tolist()]}.")
@@ -229,6 +286,6 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def splits_of(calls: Sequence[Call]) -> str:
     """What the all-to-alls that carried tokens sent and received, for the summary."""
-    carried = [c for c in calls if c.op == "all_to_all_single" and c.input_splits is not None and _carries_rows(c)]
+    carried = [c for c in calls if c.op == "all_to_all_single" and c.input_splits is not None and carries_rows(c)]
     return "; ".join(f"its {what} sent {list(c.input_splits or ())} rows and received {list(c.output_splits or ())}"
                      for what, c in zip(("dispatch", "combine"), carried))

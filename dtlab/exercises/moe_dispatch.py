@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlab.exercises._agree import SizesDisagree, sizes_agreed
 from dtlab.exercises._check import Exercise, ExerciseError, call_learner, ops_used, torch_call
 from dtlab.exercises._moe_check import (
     CASES,
@@ -33,6 +34,9 @@ from dtlab.exercises._moe_check import (
     WIDTH,
     WORLD_SIZES,
     Record,
+    draw_weights,
+    every_expert,
+    expected,
     expert,
     judge,
     route_of,
@@ -47,17 +51,19 @@ DESCRIPTION = (
     "Write fn(x: torch.Tensor, expert_of: torch.Tensor, experts) -> torch.Tensor: one mixture-of-experts layer's "
     "forward under expert parallelism. The n ranks share out experts.count experts, experts.per_rank = m each: rank r "
     "holds experts r*m to r*m + m - 1, and only it can run them: experts(e, rows) runs expert e on rows (k × width, k "
-    "may be 0) and returns its outputs, on the rank that holds e (anywhere else it raises). x (tokens × width, "
-    "float32) are this rank's tokens and expert_of (int64) the expert each one chose. Return y shaped like x, y[t] = "
-    "expert expert_of[t]'s output for x[t], in x's order. Every token must travel to the rank of its expert and its "
-    "output back, with dist.all_to_all_single only (uneven split sizes, as many tokens go to some ranks as the "
-    "router sends there): one call carries the tokens out, one brings the outputs back, and any other call (the "
-    "counts each rank needs to size its buffers) carries no token; no rank may ever hold a token of another rank "
-    f"that chose an expert it does not hold. Checked at world sizes 2 and 4 ({EXPERTS} experts, {TOKENS} tokens of "
-    f"width {WIDTH} per rank), with uneven routing and with every token choosing expert 0: every rank's output "
-    f"against each expert applied to its tokens in one process (within {TOL:g}); which rows each expert ran on; "
-    "the split sizes of the two all-to-alls that carry tokens; and, at every line of your code, the other ranks' "
-    "tokens within its reach (found by their values)."
+    "may be 0) and returns its outputs, on the rank that holds e (anywhere else it raises; an expert's weights exist "
+    "on its own rank only, drawn anew for every check). x (tokens × width, float32) are this rank's tokens and "
+    "expert_of (int64) the expert each one chose. Return y shaped like x, y[t] = expert expert_of[t]'s output for "
+    "x[t], in x's order. Every token must travel to the rank of its expert and its output back, with "
+    "dist.all_to_all_single only (uneven split sizes, as many tokens go to some ranks as the router sends there): one "
+    "call carries the tokens out (a token may take extra columns along, its expert's id say), one brings the outputs "
+    "back, and any other call, of any kind, carries integers only (the counts each rank needs to size its buffers); "
+    "no rank may ever hold a token of another rank that chose an expert it does not hold. Checked at world sizes 2 "
+    f"and 4 ({EXPERTS} experts, {TOKENS} tokens of width {WIDTH} per rank), with uneven routing and with every token "
+    f"choosing expert 0: every rank's output against each expert applied to its tokens in one process (within "
+    f"{TOL:g}); which rows each expert ran on; the split sizes of the two all-to-alls that carry tokens (told by "
+    "their floating-point rows); and, at every line of your code, the other ranks' tokens within its reach (found "
+    "by their values). A rank's split sizes are compared with its peers' before each all-to-all is issued."
 )
 
 HINTS = (
@@ -110,10 +116,14 @@ def stub(x: torch.Tensor, expert_of: torch.Tensor, experts: Experts) -> torch.Te
 
 # -- the experts ----------------------------------------------------------------------------------------------
 class Experts:
-    """The experts of one rank: ``count`` in all, ``per_rank`` each, ``experts(e, rows)`` for this rank's own."""
+    """The experts of one rank: ``count`` in all, ``per_rank`` each, ``experts(e, rows)`` for this rank's own.
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    Their weights are drawn for each check on this rank alone (``draw_weights``): a rank cannot compute another
+    rank's experts, so the outputs of the tokens it sent away must come back."""
+
+    def __init__(self, rank: int, world_size: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.count, self.per_rank, self.rank = EXPERTS, EXPERTS // world_size, rank
+        self._weights = weights  # this rank's per_rank experts, in order
         self.ran: list[tuple[int, torch.Tensor]] = []  # (expert, rows): what each call got, for the judge
 
     def __call__(self, e: Any, rows: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ class Experts:
             got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise ValueError(f"experts({e}, rows): rows must be a k × {WIDTH} tensor (k tokens); got {got}")
         self.ran.append((e, rows.detach().float().clone()))
-        return expert(e, rows.detach().float())
+        return expert(self._weights, e - first, rows.detach().float())
 
 
 # -- checking --------------------------------------------------------------------------------------------------
@@ -161,18 +171,36 @@ class _ForeignTokens:
 
 def on_rank(info: Any, fn: Any) -> list[Record]:
     records = []
+    weights = draw_weights(EXPERTS // info.world_size)  # this rank's experts, for this check only
     for case, name in enumerate(CASES):
         x, expert_of = routing(info.rank, info.world_size, case)
-        experts = Experts(info.rank, info.world_size)
+        experts = Experts(info.rank, info.world_size, weights)
         foreign = _ForeignTokens(info.rank, info.world_size, case)
         try:
-            with HeldWatch(foreign, fn):
+            with sizes_agreed(info.rank, info.world_size, f"moe/{_name(fn)}/{case}"), HeldWatch(foreign, fn):
                 value, calls = call_learner(fn, x.clone(), expert_of.clone(), experts, where=f"with {name}")
         except ExerciseError as err:
-            raise ExerciseError(_split_error(err, info.rank, info.world_size, case) or str(err)) from err
+            raise ExerciseError(_disagreed(err, case) or _split_error(err, info.rank, info.world_size, case)
+                                or str(err)) from err
         out = value.detach().clone() if isinstance(value, torch.Tensor) else None
-        records.append(Record(out, type(value).__name__, calls, tuple(experts.ran), foreign.first))
+        records.append(Record(out, type(value).__name__, calls, tuple(experts.ran), foreign.first, weights))
     return records
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _disagreed(err: ExerciseError, case: int) -> str | None:
+    """Split sizes a rank guessed, which its peer does not send: stopped on every rank before gloo aborts one."""
+    cause = err.__cause__
+    if not isinstance(cause, SizesDisagree):
+        return None
+    return (f"{str(cause)[0].upper()}{str(cause)[1:]} with {CASES[case]}. A rank cannot guess what it will receive: "
+            "the router sends each rank as many tokens as chose its experts, which only the sender knows. Learn the "
+            "sizes first, from a small all-to-all of the counts (each rank's tokens per expert), then size the "
+            "output and its output_split_sizes by them. (Every rank was stopped before that call: gloo ends a "
+            "process whose all-to-all sizes disagree with a peer's, with no error to show.)")
 
 
 def _split_error(err: ExerciseError, rank: int, n: int, case: int) -> str | None:
@@ -203,16 +231,16 @@ def summary(records: dict[int, list[list[Record]]]) -> str:
     worst = 0.0
     for n, ranks in records.items():
         for case in range(len(CASES)):
+            weights = every_expert(ranks, case)
             for r, recs in enumerate(ranks):
-                x, expert_of = routing(r, n, case)
-                want = torch.stack([expert(int(e), x[t:t + 1])[0] for t, e in enumerate(expert_of.tolist())])
-                worst = max(worst, max_abs(recs[case].out, want))
+                worst = max(worst, max_abs(recs[case].out, expected(weights, r, n, case)))
     n0 = min(records)
     calls = records[n0][0][0].calls
     return (f"at world sizes {', '.join(map(str, records))}, with {' and with '.join(CASES)}, every rank's output "
-            f"matched its tokens' experts applied in one process (largest difference {worst:.1g}), every expert "
-            "ran on exactly the tokens that chose it, on its own rank, and no rank held another rank's token routed "
-            f"elsewhere. Rank 0 at n={n0} with uneven routing made {ops_used(calls)}: "
+            f"matched its tokens' experts applied in one process (largest difference {worst:.1g}; each "
+            "expert's weights drawn for this check on its own rank alone, so that no rank could compute another's "
+            "experts), every expert ran on exactly the tokens that chose it, on its own rank, and no rank held "
+            f"another rank's token routed elsewhere. Rank 0 at n={n0} with uneven routing made {ops_used(calls)}: "
             f"{splits_of(calls) or 'split sizes not recorded'} (rows to and from ranks 0..{n0 - 1}).")
 
 

@@ -14,23 +14,16 @@ backward (``dtlab.tiers.cp_ulysses``); this exercise is the forward.
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlab.exercises._check import Call, Exercise, call_learner, ops_used
-
-HEADS, BLOCK, HEAD_DIM = 4, 4, 8
-WORLD_SIZES = (2, 4)  # the 4 heads split evenly: 2 heads per rank, then 1
-CASES = (("random blocks", 1.0), ("large scores (queries ×50)", 50.0))
-RTOL, ATOL = 1e-4, 1e-5
-TOLERANCE = "rtol 1e-4, atol 1e-5"
-ALL_TO_ALLS = frozenset({"all_to_all_single", "all_to_all"})
+from dtlab.exercises._agree import sizes_agreed
+from dtlab.exercises._check import Exercise, call_learner, ops_used
+from dtlab.exercises._reach import Fingerprints, Found, HeldWatch, held_values, places
+from dtlab.exercises._ulysses_check import BLOCK, CASES, HEAD_DIM, HEADS, TOLERANCE, WORLD_SIZES, Case, judge
 
 DESCRIPTION = (
     "Write fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: causal self-attention over a "
@@ -40,10 +33,12 @@ DESCRIPTION = (
     "attention over the whole sequence, every head: per head softmax(Q K^T / sqrt(head_dim)) V, where the query at "
     "position i sees the keys at positions 0..i of the whole sequence; a tensor shaped like q. Communicate with "
     "all-to-alls only (dist.all_to_all_single or dist.all_to_all; no other call), so that each rank attends with "
-    "heads / n whole heads: its all-to-alls move q, k and v once and the output once, adding up to 4 × q's bytes "
-    f"per rank. Checked at world sizes 2 and 4 ({HEADS // 2} heads, then 1, per rank), with random blocks and with "
-    f"large scores (queries ×50): the output on every rank against causal attention computed in one process in "
-    f"float64 ({TOLERANCE}), which calls each rank made and the bytes they carried."
+    "heads / n whole heads: its all-to-alls move q, k and v once and the output once, in even splits (every rank "
+    "sends each rank the same share), adding up to 4 × q's bytes per rank. Checked at world sizes 2 and 4 "
+    f"({HEADS // 2} heads, then 1, per rank), with random blocks and with large scores (queries ×50): the output on "
+    f"every rank against causal attention computed in one process in float64 ({TOLERANCE}), which calls each rank "
+    "made, the bytes they carried and their splits, and, at every line of your code, the other ranks' keys and "
+    "values within its reach (found by their values): never more heads of them than its own heads / n."
 )
 
 HINTS = (
@@ -94,183 +89,51 @@ def stub(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 # -- checking ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    """What one rank saw in one test case: its q, k and v, the output it returned (None: not a tensor), its calls."""
-
-    name: str
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor | None
-    returned: str
-    calls: tuple[Call, ...]
-
-
 def _inputs(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(6113 * i + rank)
     q, k, v = (torch.randn(HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(3))
     return q * CASES[i][1], k, v
 
 
+class _OtherHeads:
+    """Whether the learner's code holds other ranks' keys or values of more heads than its heads / n at once, found
+    by their values at every line it runs (a ``HeldWatch`` probe): a relay of every head shows, whatever the
+    calls that moved it and however their bytes were padded."""
+
+    def __init__(self, rank: int, n: int, case: int) -> None:
+        self.share, self.heads, tensors = HEADS // n, [], []
+        for s in range(n):
+            if s != rank:
+                _, k, v = _inputs(case, s)
+                for j in range(HEADS):
+                    self.heads += [j, j]
+                    tensors += [k[j], v[j]]
+        self.prints = Fingerprints(tensors)
+        self.first: str | None = None
+
+    def __call__(self, found: list[Found], moment: str) -> None:
+        if self.first is not None or not self.heads:
+            return
+        shares = self.prints.shares(held_values(found))
+        heads = sorted({j for j, share in zip(self.heads, shares) if share > 0.99})
+        if len(heads) > self.share:
+            where = [f.where for f in found if self.prints.shares(held_values([f])).max() > 0.99]
+            self.first = (f"other ranks' keys or values of {len(heads)} heads ({', '.join(map(str, heads))}) at once "
+                          f"{moment} (in {places(where, 3)})")
+
+
 def on_rank(info: Any, fn: Any) -> list[Case]:
     """Every test case, in the same order on every rank; the learner gets copies, so the inputs stay as given."""
     cases = []
+    label = f"ulysses/{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     for i, (name, _) in enumerate(CASES):
         q, k, v = _inputs(i, info.rank)
-        value, calls = call_learner(fn, q.clone(), k.clone(), v.clone(), where=f"with {name}")
+        held = _OtherHeads(info.rank, info.world_size, i)
+        with sizes_agreed(info.rank, info.world_size, f"{label}/{i}"), HeldWatch(held, fn):
+            value, calls = call_learner(fn, q.clone(), k.clone(), v.clone(), where=f"with {name}")
         out = value.detach().clone() if isinstance(value, torch.Tensor) else None
-        cases.append(Case(name, q, k, v, out, type(value).__name__, calls))
+        cases.append(Case(name, q, k, v, out, type(value).__name__, calls, held.first))
     return cases
-
-
-def judge(n: int, ranks: list[list[Case]]) -> str | None:
-    for i in range(len(CASES)):
-        case = [cases[i] for cases in ranks]
-        problem = _other_calls(case) or _wrong_output(case) or _wrong_bytes(case, n)
-        if problem:
-            return problem
-    return None
-
-
-def _other_calls(case: list[Case]) -> str | None:
-    for r, c in enumerate(case):
-        call = next((call for call in c.calls if call.op not in ALL_TO_ALLS), None)
-        if call is None:
-            continue
-        if call.op.startswith("all_gather"):
-            why = (" An all-gather gives every rank every head over the whole sequence: n times the keys and values "
-                   "that Ulysses leaves on a rank, and every head's attention computed again on every rank.")
-        elif call.op in ("send", "recv", "isend", "irecv"):
-            why = (" Point-to-point calls pass blocks from rank to rank, as ring attention does; Ulysses moves "
-                   "everything a rank needs in one all-to-all each way.")
-        else:
-            why = ""
-        return (f"rank {r} called dist.{call.op} with {c.name}: only all-to-alls are allowed here "
-                "(dist.all_to_all_single or dist.all_to_all)." + why)
-    return None
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                     causal: bool = True) -> torch.Tensor:
-    """Per head, softmax(q k^T * scale + causal mask) v in float64 (scale 1/sqrt(d) unless given), in one process."""
-    s = q.double() @ k.double().transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
-    return torch.softmax(s, dim=-1) @ v.double()
-
-
-def _whole(case: list[Case], order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
-    """The whole sequence's q, k, v, its blocks in ``order`` (rank order unless given)."""
-    order = tuple(range(len(case))) if order is None else order
-    return tuple(torch.cat([getattr(case[s], name) for s in order], -2) for name in ("q", "k", "v"))
-
-
-def _block(full: torch.Tensor, r: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Rank r's block out of an attention over the sequence put together in ``order``."""
-    at = r if order is None else order.index(r)
-    return full[:, at * BLOCK:(at + 1) * BLOCK]
-
-
-def _wrong_output(case: list[Case]) -> str | None:
-    n = len(case)
-    expected_all = causal_attention(*_whole(case))
-    for r, c in enumerate(case):
-        if c.out is None:
-            return (f"rank {r} returned {c.returned} with {c.name}: return this rank's block of the output, every "
-                    f"head, a tensor shaped like q {tuple(c.q.shape)}.")
-        expected = _block(expected_all, r)
-        if c.out.shape != expected.shape:
-            back = (" That is this rank's heads over the whole sequence: the second all-to-all must bring every "
-                    "block's output back to the rank that holds the block, every head of it."
-                    if tuple(c.out.shape) == (HEADS // n, n * BLOCK, HEAD_DIM) else "")
-            return (f"rank {r} returned a tensor of shape {tuple(c.out.shape)} with {c.name}, not "
-                    f"{tuple(expected.shape)}: this rank's block of the output, every head, is shaped like q." + back)
-        out = c.out.double()
-        right = torch.isclose(out, expected, rtol=RTOL, atol=ATOL)
-        if bool(right.all()):
-            continue
-        h, row, col = (int(x) for x in (~right).nonzero()[0])
-        return (f"rank {r}'s output is wrong with {c.name}: at [{h}, {row}, {col}] it is {float(out[h, row, col]):.6g} "
-                f"where causal attention gives {float(expected[h, row, col]):.6g} ({int(right.sum())} of "
-                f"{right.numel()} values right). " + _signature(r, out, case, expected))
-    return None
-
-
-def _close(out: torch.Tensor, candidate: torch.Tensor) -> bool:
-    return bool(torch.allclose(out, candidate, rtol=RTOL, atol=ATOL))
-
-
-def _signature(r: int, out: torch.Tensor, case: list[Case], expected: torch.Tensor) -> str:
-    """A common wrong result, told by its values."""
-    c, q, k, v = case[r], *_whole(case)
-    if _close(out, causal_attention(c.q, c.k, c.v)):
-        return ("It is attention within this rank's own block only: each query must see every earlier position of "
-                "the whole sequence, which the all-to-all brings (for a group of heads).")
-    if _close(out, _block(causal_attention(q, k, v, causal=False), r)):
-        return ("It is attention without the causal mask: the query at position i may see the keys at positions "
-                "0..i only, of the whole sequence (once the blocks are put together in position order).")
-    for scale, label in ((1.0, "1 (not scaled at all)"), (1 / HEAD_DIM, f"1/head_dim = 1/{HEAD_DIM}")):
-        if _close(out, _block(causal_attention(q, k, v, scale), r)):
-            return f"The scores are scaled by {label}, not 1/√head_dim = 1/√{HEAD_DIM}."
-    heads = _heads_moved(out, expected)
-    if heads:
-        return heads
-    order = _block_order(case)
-    if order is not None:
-        return (f"It is causal attention over the blocks put together in the order {list(order)}, not in rank "
-                "order: what arrives from rank s is block s of the sequence, and the causal mask needs the "
-                "positions in order.")
-    return ("Each head's output must be softmax(Q K^T / sqrt(head_dim)) V over the whole sequence with the causal "
-            "mask, for the queries of this rank's block: look at which heads and which positions each rank attends "
-            "with, and where the outputs go on the way back.")
-
-
-def _block_order(case: list[Case]) -> tuple[int, ...] | None:
-    """The order, other than rank order, of the blocks that every rank's output is causal attention over."""
-    for order in itertools.permutations(range(len(case))):
-        if order == tuple(sorted(order)):
-            continue
-        full = causal_attention(*_whole(case, order))
-        if all(c.out is not None and _close(c.out.double(), _block(full, r, order)) for r, c in enumerate(case)):
-            return order
-    return None
-
-
-def _heads_moved(out: torch.Tensor, expected: torch.Tensor) -> str | None:
-    """Each head of ``out`` that holds another head's right attention, named, when every head holds one."""
-    found = []
-    for h in range(out.shape[0]):
-        match = next((g for g in range(expected.shape[0]) if _close(out[h], expected[g])), None)
-        if match is None:
-            return None
-        found.append(match)
-    moved = [(h, g) for h, g in enumerate(found) if h != g]
-    if not moved:
-        return None
-    h, g = moved[0]
-    return (f"Every head's attention is right but in the wrong place: head {h} of your output holds head {g}'s "
-            "(and so on). The heads come back from rank g as head group g: put them back where they were taken "
-            "from.")
-
-
-def _wrong_bytes(case: list[Case], n: int) -> str | None:
-    x = case[0].q.nbytes
-    for r, c in enumerate(case):
-        sent = sum(call.nbytes for call in c.calls if call.op in ALL_TO_ALLS)
-        if sent == 4 * x:
-            continue
-        if sent == 8 * x:
-            hint = " Twice the bytes: send the tensors in their own dtype, float32."
-        elif sent > 4 * x:
-            hint = (f" Each rank needs only its own heads from the others (heads / n = {HEADS // n} here): send each "
-                    "head group once, to the rank that attends with it, not every head to every rank.")
-        else:
-            hint = (" All three of q, k and v must reach the rank that attends with their heads, and the output "
-                    "must come back.")
-        return (f"rank {r}'s all-to-alls carried {sent:,} bytes with {c.name}; Ulysses exchanges q, k and v once and "
-                f"the output once: 4 × q's {x:,} bytes = {4 * x:,} bytes per rank." + hint)
-    return None
 
 
 def summary(records: dict[int, list[list[Case]]]) -> str:

@@ -52,6 +52,7 @@ class CommRecorder:
         self._seq = itertools.count()
         self._thread = threading.local()
         self._taggers: list[Any] = []
+        self._checks: list[Callable[[str, dict[str, Any], int], None]] = []  # run before each call (``checked``)
         self._in_flight: dict[int, tuple[Any, Event]] = {}  # id(Work) -> (the Work, its event), until waited
         self.unseen_paths: set[str] = set()  # calls made by a path the recorder cannot see
         # storage of a functional collective's output -> its event, until wait_tensor waits on it
@@ -116,6 +117,18 @@ class CommRecorder:
                 for channel in opened:
                     self._taggers.remove(channel)
 
+    @contextlib.contextmanager
+    def checked(self, check: Callable[[str, dict[str, Any], int], None]) -> Iterator[None]:
+        """Run ``check(op, arguments, group_size)`` before each call of the block is issued, its arguments bound by
+        name to the c10d op's schema. What it raises the caller gets, and the call is never made: an exercise's
+        checker refuses there a call that would bring the backend down (gloo aborts a process whose all-to-all
+        sizes disagree with a peer's, with no Python error to name)."""
+        self._checks.append(check)
+        try:
+            yield
+        finally:
+            self._checks.remove(check)
+
     # -- what the training loop and the tiers tell it -------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -171,6 +184,8 @@ class CommRecorder:
     def begin(self, rule: OpRule, bound: dict[str, Any], api: str, from_engine: bool) -> tuple[Event, Any]:
         group = _unbox_group(bound.get(rule.group))
         size, name = _group_size(group), _group_name(group)
+        for check in list(self._checks):
+            check(rule.op, bound, size)
         peer = bound.get(rule.peer) if rule.peer else None
         if peer is not None and peer >= 0:
             peer = _global_rank(group, peer)
