@@ -23,17 +23,15 @@ process behind.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from dtlab.core import events, replica
 from dtlab.core.failures import NoPeerToRecover, RankError
 from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
+from dtlab.launch import lifeline
 from dtlab.launch import lighthouse as lighthouses
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar
 from dtlab.launch.local import launch
@@ -49,7 +47,7 @@ class _Run:
                  options: LaunchOptions, nodes: Sequence[Node] | None, max_restarts: int, start_method: str) -> None:
         self.fn, self.args, self.replicas, self.rpr = fn, args, replicas, ranks_per_replica
         self.options, self.nodes, self.max_restarts, self.start_method = options, nodes, max_restarts, start_method
-        self.work = Path(tempfile.mkdtemp(prefix="dtlab-ft-"))
+        self.work = lifeline.temporary_folder("dtlab-ft-")  # the reaper's if this process dies
         self.stop = threading.Event()  # ends every group's launch: the caller's stop, an interrupt, an error
         self.lighthouse = ""
         self.started = time.perf_counter()
@@ -186,7 +184,7 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
         return _collect(run)
     finally:
         run.bar.close()
-        shutil.rmtree(run.work, ignore_errors=True)
+        lifeline.remove_folder(run.work)
 
 
 def _run_groups(run: _Run, stop: threading.Event | None) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
-import tempfile
 import threading
 import time
 
@@ -22,7 +20,7 @@ from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.registry import AgentPlan, ReplicaPlan, TierSpec
 from dtlab.core.results import RunResult
-from dtlab.launch import netns
+from dtlab.launch import lifeline, netns
 from dtlab.launch.contract import Progress
 from dtlab.launch.local import launch
 from dtlab.launch.rpc import launch_rpc
@@ -111,8 +109,7 @@ def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record:
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if plan.scratch_option and not getattr(cfg.tier_options, plan.scratch_option):
-            scratch = tempfile.mkdtemp(prefix=f"dtlab-{cfg.tier}-")
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = str(stack.enter_context(lifeline.folder(f"dtlab-{cfg.tier}-")))
             cfg_run = cfg.replace(tier_options=dataclasses.replace(cfg.tier_options,
                                                                    **{plan.scratch_option: scratch}))
         else:
