@@ -22,6 +22,7 @@ import pytest
 import torch.distributed as dist
 
 import dtlab
+from dtlab.app import cli
 from dtlab.core.failures import RankError
 from dtlab.launch import lifeline, netns
 from dtlab.launch.ft import launch_ft
@@ -205,6 +206,20 @@ def test_stale_folders_are_only_this_users_folders_of_dead_processes(tmp_path):
     assert lifeline.stale_folders(tmp_path) == [stale]
     assert lifeline.sweep_folders(tmp_path) == [stale]
     assert not stale.exists() and live.is_dir() and other.is_dir()
+
+
+def test_dtlab_clean_removes_the_folders_of_dead_runs_and_says_what_it_did_not_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(netns, "available", lambda: (False, "simulated hosts need root"))
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    stale, live = tmp_path / f"dtlab-elastic-{dead}-abcdefgh", tmp_path / f"dtlab-launch-{os.getpid()}-abcdefgh"
+    stale.mkdir()
+    live.mkdir()
+    assert cli.main(["clean"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {stale}\n" in out and "1 left-over(s) removed" in out
+    assert "network namespaces not checked: simulated hosts need root" in out
+    assert not stale.exists() and live.is_dir()
 
 
 def test_the_reaper_refuses_what_it_cannot_remove():
