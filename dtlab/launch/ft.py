@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dtlab.core import events, replica
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import NoPeerToRecover, RankError
 from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
 from dtlab.launch import lifeline
@@ -169,6 +170,7 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
     for name, value in (("replicas", replicas), ("ranks_per_replica", ranks_per_replica)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    check_world_cap(replicas * ranks_per_replica, "replicas x ranks_per_replica")
     if nodes is not None and len(nodes) != replicas:
         raise ValueError(f"nodes: give one per replica group ({replicas}), not {len(nodes)}")
     run = _Run(fn, args, replicas, ranks_per_replica, options, nodes, max_restarts, start_method)

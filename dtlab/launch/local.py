@@ -32,6 +32,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import OpState, RankFailure
 from dtlab.instrument.ops import OP_NAMES
 from dtlab.instrument.unseen import warn_unseen
@@ -329,6 +330,7 @@ def launch(
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid: must be an integer >= 1")
+    check_world_cap(world_size)
     options = LaunchOptions(backend=backend, device=device, timeout_s=timeout_s, deadline_s=deadline_s,
                             progress=progress, record=record, env=env or {}, stop=stop,
                             flight_recorder=flight_recorder)

@@ -31,6 +31,7 @@ import cloudpickle
 import psutil
 
 from dtlab.core import events
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import RankFailure
 from dtlab.instrument.unseen import warn_unseen
 from dtlab.launch import lifeline
@@ -149,6 +150,7 @@ def launch_torchrun(
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} is invalid: must be >= 0")
     nodes = list(nodes or [Node()])
+    check_world_cap(nproc_per_node * len(nodes), "nproc_per_node x nodes")
     with _workdir(workdir) as work:
         dumps = Dumps(flight_recorder, work / "flight_recorder")
         options = dataclasses.replace(options, env={**options.env, **dumps.env()})
