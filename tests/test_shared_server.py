@@ -6,6 +6,7 @@ import pytest
 
 import dtlab
 from dtlab.app import cli
+from dtlab.app.history import new_run_folder
 from dtlab.core.config import MAX_WORLD_SIZE_ENV, RunConfig, check_world_cap, shared_threads
 from dtlab.launch import lifeline, local
 from dtlab.launch.ft import launch_ft
@@ -66,3 +67,10 @@ def test_threads_are_shared_out_among_the_cores_this_process_may_use(monkeypatch
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's, shared with every other learner
     assert (shared_threads(2), shared_threads(3), shared_threads(8)) == (2, 1, 1)
+
+
+def test_two_kernels_saving_the_same_run_in_the_same_second_get_two_folders(tmp_path):
+    name = "20250101-120000-ddp-w2"
+    first, second = new_run_folder(tmp_path, name), new_run_folder(tmp_path, name)
+    assert (first.name, second.name) == (name, f"{name}-2")
+    assert first.is_dir() and second.is_dir()
