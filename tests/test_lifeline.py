@@ -123,6 +123,7 @@ def test_a_parent_killed_mid_run_leaves_nothing(tier, sig, tmp_path):
         while (left := leftovers(proc.pid, marker, tmpdir)) and time.monotonic() - killed_at < GONE_WITHIN_S:
             time.sleep(0.2)
         assert not left, f"{GONE_WITHIN_S:g} s after the parent's {sig.name}, left behind: {left}"
+        print(f"{tier}: nothing left {time.monotonic() - killed_at:.2f} s after the parent's {sig.name}")
     finally:  # whatever happened: nothing of this test stays on the machine
         proc.kill()
         proc.wait()
