@@ -1,6 +1,12 @@
-"""A shared server: an instructor's cap on the ranks of every run (DTLAB_MAX_WORLD_SIZE), refused before any start."""
+"""A shared server: an instructor's cap on every run's ranks (DTLAB_MAX_WORLD_SIZE), and learners running at once."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +18,8 @@ from dtlab.launch import lifeline, local
 from dtlab.launch.ft import launch_ft
 from dtlab.launch.rpc import launch_rpc
 from dtlab.launch.torchrun import Node, launch_torchrun
+
+REPO = Path(dtlab.__file__).resolve().parents[1]
 
 
 def noop(*_args):
@@ -74,3 +82,38 @@ def test_two_kernels_saving_the_same_run_in_the_same_second_get_two_folders(tmp_
     first, second = new_run_folder(tmp_path, name), new_run_folder(tmp_path, name)
     assert (first.name, second.name) == (name, f"{name}-2")
     assert first.is_dir() and second.is_dir()
+
+
+# -- several learners at once ----------------------------------------------------------------------------------------
+LEARNERS = {  # tier -> extra flags: one learner each, all started together
+    "ddp": ["--flight-recorder"],
+    "elastic": ["--flight-recorder"],
+    "multinode": [],  # simulated hosts as root, loopback nodes otherwise
+    "ft": [],
+}
+
+
+@pytest.mark.slow
+def test_learners_running_at_once_each_get_their_own_results_and_leave_nothing(tmp_path):
+    """Four users (their own HOME, working folder and TMPDIR) start a run each at the same moment."""
+    procs = {}
+    for tier, flags in LEARNERS.items():
+        home = tmp_path / tier
+        for sub in ("work", "tmp"):
+            (home / sub).mkdir(parents=True)
+        env = {**os.environ, "HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONPATH": str(REPO)}
+        argv = [sys.executable, "-m", "dtlab", "run", "--tier", tier, "--world-size", "2", "--steps", "8",
+                "--model-size", "32", "--threads", "1", "--quiet", *flags]
+        log = open(home / "log.txt", "wb")  # noqa: SIM115 - closed below, once the run ends
+        procs[tier] = (subprocess.Popen(argv, cwd=home / "work", env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    for tier, (proc, log) in procs.items():
+        code = proc.wait(600)
+        log.close()
+        assert code == 0, f"{tier}: exit {code}\n{(tmp_path / tier / 'log.txt').read_text()[-3000:]}"
+    for tier, flags in LEARNERS.items():
+        home = tmp_path / tier
+        summary = json.loads((home / "work" / "results" / "run" / "result.json").read_text())
+        assert (summary["tier"], summary["world_size"]) == (tier, 2)
+        dumps = sorted(p.name for p in (home / "work" / "results" / "run" / "flight_recorder").glob("rank_*"))
+        assert dumps == (["rank_0", "rank_1"] if flags else [])  # each run's own, in its own folder
+        assert sorted(p.name for p in (home / "tmp").glob("dtlab-*")) == []
