@@ -281,3 +281,26 @@ def test_no_temporary_folder_stays_after_a_normal_or_a_failed_run(launcher, tmp_
         LAUNCHERS[launcher](False)
     assert sorted(p.name for p in tmp_path.glob("dtlab-*")) == []
     assert lifeline.reaper_pid() is None  # nothing stays registered
+
+
+def test_a_scratch_folder_name_is_checked_before_anything_is_made():
+    with pytest.raises(ValueError, match="name='My Folder' is invalid: lower-case letters"):
+        dtlab.scratch_folder("My Folder")
+
+
+@pytest.mark.slow
+def test_a_scratch_folder_lives_as_long_as_its_process_however_that_ends(tmp_path):
+    code = ("import sys, time, dtlab; print(dtlab.scratch_folder('notes'), flush=True); "
+            "sys.argv[1] == 'exit' or time.sleep(300)")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    for how in ("exit", "sigkill"):
+        parent = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, text=True, env=env)
+        folder = Path(parent.stdout.readline().strip())
+        assert folder.is_dir() and folder.name.startswith(f"dtlab-notes-{parent.pid}-")
+        if how == "sigkill":
+            parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not folder.exists(), f"{folder} outlived its process ({how})"

@@ -41,9 +41,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LIFELINE_PID_ENV", "die_with_parent", "dying_with_parent", "forget", "folder", "forget_process",
-           "process_start", "remove_folder", "stale_folders", "sweep_folders", "temporary_folder", "watch",
-           "watch_process", "watching"]
+__all__ = ["LIFELINE_PID_ENV", "die_with_parent", "dying_with_parent", "folder", "forget", "forget_process",
+           "process_start", "reaper_pid", "remove_folder", "remove_namespace", "scratch_folder", "stale_folders",
+           "sweep_folders", "temporary_folder", "watch", "watch_process", "watching"]
 
 LIFELINE_PID_ENV = "DTLAB_LIFELINE_PID"  # the pid a wrapped command runs as: its children's expected parent
 _PR_SET_PDEATHSIG = 1
@@ -198,6 +198,14 @@ def temporary_folder(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
     watch("folder", str(path))
     return path
+
+
+def scratch_folder(name: str) -> Path:
+    """A folder for the rest of this session (a notebook's scratch space): ``<tempdir>/dtlab-<name>-<pid>-XXXXXXXX``,
+    removed when this process ends, however it ends -- a kernel shut down, restarted or killed."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9-]*", name):
+        raise ValueError(f"name={name!r} is invalid: lower-case letters, digits and '-', starting with a letter")
+    return temporary_folder(f"dtlab-{name}-")
 
 
 def remove_folder(path: str | os.PathLike[str]) -> None:
