@@ -100,6 +100,9 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self._forget_all()
+
+    def _forget_all(self) -> None:
         self.entries: Counter[tuple[str, str]] = Counter()
         self.proc: subprocess.Popen | None = None
         self.owner = os.getpid()
@@ -136,8 +139,8 @@ class _Reaper:
 
     def add(self, kind: str, value: str) -> None:
         with self.lock:
-            if os.getpid() != self.owner:  # a forked child: the reaper is its parent's
-                self.__init__()
+            if os.getpid() != self.owner:  # a forked child: the reaper and what it knows are its parent's
+                self._forget_all()
             self.entries[kind, value] += 1
             self._send("+", kind, value)
 
