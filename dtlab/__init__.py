@@ -13,6 +13,7 @@ from dtlab.core.progress import report
 from dtlab.core.results import RunResult
 from dtlab.core.version import __version__
 from dtlab.instrument.recorder import CommRecorder
+from dtlab.launch.lifeline import scratch_folder
 from dtlab.launch.local import LaunchStopped, launch, shutdown
 from dtlab.train import run
 
@@ -42,6 +43,7 @@ __all__ = [
     "launch",
     "report",
     "run",
+    "scratch_folder",
     "shutdown",
     "tiers",
 ]

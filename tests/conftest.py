@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+import os
 import signal
 import time
+import uuid
 
 import psutil
 import pytest
+
+# Every process this test session starts inherits this marker, however far down: another session's processes
+# (a second engineer's suite, a learner's notebook) are never taken for this one's leftovers, nor killed as such.
+SESSION_ENV = "DTLAB_TEST_SESSION"
+os.environ[SESSION_ENV] = uuid.uuid4().hex
+
+
+def ours(p: psutil.Process) -> bool:
+    try:
+        return p.environ().get(SESSION_ENV) == os.environ[SESSION_ENV]
+    except psutil.Error:
+        return False
 
 
 def helper_pids() -> set[int]:
@@ -55,12 +69,13 @@ def default_sigint():
 
 
 def torchrun_processes(since: float = 0.0) -> list[psutil.Process]:
-    """torchrun agents and dtlab workers anywhere on the machine (orphans are not our descendants) started at
-    ``since`` (a time.time()) or later: one started before a test cannot be that test's leftover."""
+    """This session's torchrun agents and dtlab workers anywhere on the machine (orphans are not our descendants)
+    started at ``since`` (a time.time()) or later: one started before a test cannot be that test's leftover."""
     found = []
     for p in psutil.process_iter(["cmdline", "create_time"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if ("dtlab.launch.worker" in cmd or "torch.distributed.run" in cmd) and p.info["create_time"] >= since:
+        if ("dtlab.launch.worker" in cmd or "torch.distributed.run" in cmd) and p.info["create_time"] >= since \
+                and ours(p):
             found.append(p)
     return found
 
@@ -78,8 +93,9 @@ def nothing_left(no_survivors):
     for p in stray:
         p.kill()
     assert not stray, f"torchrun processes left behind: {[' '.join(p.cmdline())[:80] for p in stray]}"
-    if netns.available()[0]:
-        assert netns.leftovers() == [], "network namespaces left behind"
+    if netns.available()[0]:  # this process's namespaces (named with its pid): not another session's
+        mine = [n for n in netns.leftovers() if n.startswith(f"{netns.PREFIX}{os.getpid()}-")]
+        assert mine == [], "network namespaces left behind"
 
 
 _SLOW_FIXTURES = {"no_survivors", "nothing_left"}

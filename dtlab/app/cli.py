@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtlab run | compare | bench | cluster``."""
+"""Command line: ``python -m dtlab run | compare | bench | cluster | clean``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dtlab.core.results import FLIGHT_DIR, RunResult
 from dtlab.cost import estimate
 from dtlab.cost.links.alpha_beta import LinkModel
 from dtlab.experiments.compare import compare, format_table, save_comparison
-from dtlab.launch import cluster
+from dtlab.launch import cluster, lifeline, netns
 from dtlab.read import flight
 from dtlab.train import preflight, run
 
@@ -291,6 +291,17 @@ def cmd_exercises(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    """``clean``: what runs of processes that no longer exist left behind (normally their reaper removed it)."""
+    removed = [str(p) for p in lifeline.sweep_folders()]
+    ok, reason = netns.available()
+    removed += netns.remove_stale() if ok else []
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{len(removed)} left-over(s) removed" + ("" if ok else f"; network namespaces not checked: {reason}"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m dtlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -351,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="after the run: gather WORKDIR's results and write result.json etc. there")
     _add_job_args(p_cl)
     p_cl.set_defaults(func=cmd_cluster)
+    p_clean = sub.add_parser("clean", help="remove the temporary folders, network namespaces and links of runs whose "
+                             "process died (a killed kernel's, if even its reaper was killed)")
+    p_clean.set_defaults(func=cmd_clean)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

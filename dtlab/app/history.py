@@ -13,7 +13,8 @@ HISTORY = Path("results/history")
 # What the comparison reads from result.json; a summary without them cannot be compared.
 SUMMARY_KEYS = ("median_step_s", "samples_per_s", "final_loss")
 
-__all__ = ["HISTORY", "SUMMARY_KEYS", "SavedRun", "load_history", "read_run", "read_runs", "saved_loss_curve"]
+__all__ = ["HISTORY", "SUMMARY_KEYS", "SavedRun", "load_history", "new_run_folder", "read_run", "read_runs",
+           "saved_loss_curve"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,20 @@ def load_history(folder: Path = HISTORY) -> dict[str, Path]:
     """Saved runs, newest first: label -> folder (each holds result.json and steps.csv)."""
     runs = sorted((p for p in folder.glob("*/result.json")), reverse=True) if folder.exists() else []
     return {p.parent.name: p.parent for p in runs}
+
+
+def new_run_folder(history: Path, name: str) -> Path:
+    """A new, empty folder ``history/name`` (``name-2``, ``name-3``, ... if taken), made atomically: two kernels of
+    one learner saving the same tier in the same second never write into one folder."""
+    history.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        folder = history / (name if n == 1 else f"{name}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"{history}: {name} and 998 more like it are taken")
 
 
 def saved_loss_curve(folder: Path) -> Any:

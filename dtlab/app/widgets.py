@@ -23,7 +23,7 @@ import ipywidgets as w
 
 from dtlab import plots, tiers
 from dtlab.app.guard import guarded
-from dtlab.app.history import HISTORY, SavedRun, load_history, read_runs
+from dtlab.app.history import HISTORY, SavedRun, load_history, new_run_folder, read_runs
 from dtlab.app.planner import planner as planner  # re-exported: dtlab.widgets.planner()
 from dtlab.core import options
 from dtlab.core.config import MODELS, PRECISIONS, TEXT_MODELS, RunConfig
@@ -327,14 +327,16 @@ class Lab:
         if live:
             self.live.value = _png(self._live_figure(live, throughput))  # the last points too
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        folder = self._save(result, self.history / f"{stamp}-{cfg.tier}-w{cfg.world_size}")
+        folder = self._save(result, f"{stamp}-{cfg.tier}-w{cfg.world_size}")
         self.last_result = result
         self._show_result(result, folder)
         self._refresh_history()
 
-    def _save(self, result: Any, folder: Path) -> Path:
+    def _save(self, result: Any, name: str) -> Path:
         """Save into the history; a finished run is never lost to a failing save: a temporary folder then."""
+        folder = self.history / name
         try:
+            folder = new_run_folder(self.history, name)
             return result.save(folder)
         except OSError as exc:
             fallback = result.save(tempfile.mkdtemp(prefix="dtlab-results-"))

@@ -75,8 +75,31 @@ def parse_slow_rank(text: str) -> tuple[int, float]:
 
 
 def shared_threads(ranks: int) -> int:
-    """Torch threads per rank when this machine's cores are shared out among ``ranks`` processes (at least 1)."""
-    return max(1, (os.cpu_count() or 1) // ranks)
+    """Torch threads per rank when this process's cores are shared out among ``ranks`` processes (at least 1).
+
+    This process's cores: on a shared server a learner may be given only some of the machine's (a cpuset).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks)
+
+
+MAX_WORLD_SIZE_ENV = "DTLAB_MAX_WORLD_SIZE"
+
+
+def check_world_cap(ranks: int, what: str = "world_size") -> None:
+    """Refuse a launch of more than ``DTLAB_MAX_WORLD_SIZE`` rank processes (unset or empty: no limit).
+
+    The cap is the machine's, not the job's: an instructor sets it for every learner of a shared server,
+    so it is checked where processes are about to start, not in RunConfig (a cluster job may be larger).
+    """
+    raw = os.environ.get(MAX_WORLD_SIZE_ENV, "").strip()
+    if not raw:
+        return
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_WORLD_SIZE_ENV}={raw!r} is invalid: must be an integer >= 1 (unset it: no limit)")
+    if ranks > int(raw):
+        raise ValueError(f"{what}={ranks} is over this machine's limit {MAX_WORLD_SIZE_ENV}={raw} (set for everyone "
+                         f"sharing it): use at most {raw} ranks")
 
 
 def needs_text(spec: registry.TierSpec) -> bool:

@@ -20,6 +20,7 @@ file imports only torch and the standard library: it runs outside dtlab.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -116,7 +117,21 @@ def _run(script: str, notes_dir: Path, rank: str) -> int:
     return 0
 
 
+def _die_with_agent() -> None:
+    """SIGKILL when torchrun's agent ends (PR_SET_PDEATHSIG, as ``dtlab.launch.lifeline`` does for dtlab's own
+    workers): a kernel killed mid-check takes its agent down, and the agent's ranks sit in sessions of their own."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if os.environ.get("DTLAB_LIFELINE_PID", str(os.getppid())) != str(os.getppid()):
+        os._exit(1)  # the agent died before the line above: no signal would come
+
+
 def main() -> None:
+    _die_with_agent()
     notes_dir, script, args = Path(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3:]
     rank = os.environ.get("RANK", "0")
     install(notes_dir / "data.pt")

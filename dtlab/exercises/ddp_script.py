@@ -28,7 +28,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from torch import nn
 
 from dtlab.exercises._check import CheckResult, ScriptExercise
 from dtlab.exercises._values import max_abs
+from dtlab.launch import lifeline
 from dtlab.launch.torchrun import free_port, kill_session
 
 NAME = "ddp_script"
@@ -155,8 +155,10 @@ def run_script(script: Path, out: Path, n: int, deadline_s: float) -> Ended:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     log_path = out / "torchrun.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out,
-                                start_new_session=True)
+        # The agent, and through the probe its ranks, die with this process however it ends.
+        proc = subprocess.Popen(lifeline.dying_with_parent(command), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=out, start_new_session=True)
+    start = lifeline.watch_process(proc.pid)
     timed_out = False
     try:
         proc.wait(timeout=deadline_s)
@@ -166,6 +168,8 @@ def run_script(script: Path, out: Path, n: int, deadline_s: float) -> Ended:
     except BaseException:  # an interrupt in the notebook: take torchrun and its ranks down with it
         kill_session(proc)
         raise
+    finally:
+        lifeline.forget_process(proc.pid, start)
     return Ended(proc.returncode, timed_out, log_path.read_text(errors="replace"))
 
 
@@ -359,8 +363,7 @@ def _parity(out: Path, indices: dict[tuple[int, int], list[int]], n: int) -> tup
 def check_at(script: Path, n: int, timeout_s: float) -> tuple[str | None, float]:
     """Run the script once at world size n and judge it: (what is wrong or None, the largest parameter difference)."""
     deadline_s = 30 + 6 * timeout_s
-    with tempfile.TemporaryDirectory(prefix="dtlab-ddp-script-") as tmp:
-        out = Path(tmp)
+    with lifeline.folder("dtlab-ddp-script-") as out:
         torch.save(_data(), out / "data.pt")
         ended = run_script(script, out, n, deadline_s)
         if problem := _failed(ended, script, out, deadline_s):

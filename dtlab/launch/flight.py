@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -32,6 +30,7 @@ from pathlib import Path
 
 from dtlab.core import compat
 from dtlab.core.results import atomic_write
+from dtlab.launch import lifeline
 
 BUFFER_ENTRIES = 2000  # per process: the last 2000 collectives
 DIR_ENV = "DTLAB_FR_DIR"
@@ -99,7 +98,7 @@ class Dumps:
     def __init__(self, enabled: bool, folder: str | os.PathLike[str] | None = None) -> None:
         self.enabled = enabled
         self.own = enabled and folder is None
-        self.folder = Path(tempfile.mkdtemp(prefix="dtlab-fr-")) if self.own else Path(folder or ".")
+        self.folder = lifeline.temporary_folder("dtlab-fr-") if self.own else Path(folder or ".")
         if enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -134,5 +133,5 @@ class Dumps:
 
     def close(self) -> None:
         if self.own:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            lifeline.remove_folder(self.folder)
 

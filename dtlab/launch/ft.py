@@ -23,17 +23,16 @@ process behind.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from dtlab.core import events, replica
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import NoPeerToRecover, RankError
 from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
+from dtlab.launch import lifeline
 from dtlab.launch import lighthouse as lighthouses
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar
 from dtlab.launch.local import launch
@@ -49,7 +48,7 @@ class _Run:
                  options: LaunchOptions, nodes: Sequence[Node] | None, max_restarts: int, start_method: str) -> None:
         self.fn, self.args, self.replicas, self.rpr = fn, args, replicas, ranks_per_replica
         self.options, self.nodes, self.max_restarts, self.start_method = options, nodes, max_restarts, start_method
-        self.work = Path(tempfile.mkdtemp(prefix="dtlab-ft-"))
+        self.work = lifeline.temporary_folder("dtlab-ft-")  # the reaper's if this process dies
         self.stop = threading.Event()  # ends every group's launch: the caller's stop, an interrupt, an error
         self.lighthouse = ""
         self.started = time.perf_counter()
@@ -171,6 +170,7 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
     for name, value in (("replicas", replicas), ("ranks_per_replica", ranks_per_replica)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+    check_world_cap(replicas * ranks_per_replica, "replicas x ranks_per_replica")
     if nodes is not None and len(nodes) != replicas:
         raise ValueError(f"nodes: give one per replica group ({replicas}), not {len(nodes)}")
     run = _Run(fn, args, replicas, ranks_per_replica, options, nodes, max_restarts, start_method)
@@ -186,7 +186,7 @@ def launch_ft(fn: Callable[..., Any], replicas: int, ranks_per_replica: int, *, 
         return _collect(run)
     finally:
         run.bar.close()
-        shutil.rmtree(run.work, ignore_errors=True)
+        lifeline.remove_folder(run.work)
 
 
 def _run_groups(run: _Run, stop: threading.Event | None) -> None:

@@ -24,13 +24,13 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
+from dtlab.launch import lifeline
 
 __all__ = ["Lighthouse", "LighthouseError", "running", "start", "stop"]
 
@@ -46,8 +46,16 @@ loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", so)
 module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("torchft._torchft", so,
                                                                                  loader=loader))
 loader.exec_module(module)
+watcher = os.getpid()
 server = os.fork()
 if server == 0:
+    import ctypes
+    try:  # SIGKILL when the watcher ends, however it ends (PR_SET_PDEATHSIG, Linux)
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != watcher:
+        os._exit(0)
     module.lighthouse_main()
     os._exit(0)
 # This process watches: when the launcher's pipe on stdin closes -- the run ended, or its launcher died
@@ -76,6 +84,7 @@ class Lighthouse:
     port: int
     proc: subprocess.Popen
     log_path: Path
+    own_folder: Path | None = None  # made by start (no log_dir given): removed by stop
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -96,7 +105,8 @@ def start(host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1, netns: 
     A port already in use is a ValueError in one line; any other start failure a LighthouseError with
     the lighthouse's own last words.
     """
-    folder = Path(log_dir or tempfile.mkdtemp(prefix="dtlab-lighthouse-"))
+    own = None if log_dir else lifeline.temporary_folder("dtlab-lighthouse-")
+    folder = Path(log_dir or own)
     log_path, script = folder / "lighthouse.log", folder / "lighthouse_main.py"
     script.write_text(_MAIN)
     with open(log_path, "wb") as log:
@@ -108,8 +118,10 @@ def start(host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1, netns: 
         bound = _wait_listening(proc, log_path, host, port)
     except BaseException:  # an interrupt too: the process must not outlive the call
         _kill(proc)
+        if own is not None:
+            lifeline.remove_folder(own)
         raise
-    return Lighthouse(f"http://{host}:{bound}", bound, proc, log_path)
+    return Lighthouse(f"http://{host}:{bound}", bound, proc, log_path, own)
 
 
 def _wait_listening(proc: subprocess.Popen, log_path: Path, host: str, port: int) -> int:
@@ -144,9 +156,11 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def stop(lighthouse: Lighthouse) -> None:
-    """Kill the lighthouse (safe to call twice)."""
+    """Kill the lighthouse and remove the folder ``start`` made for it, if it made one (safe to call twice)."""
     if lighthouse.proc.poll() is None:
         _kill(lighthouse.proc)
+    if lighthouse.own_folder is not None:
+        lifeline.remove_folder(lighthouse.own_folder)
 
 
 @contextlib.contextmanager

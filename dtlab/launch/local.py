@@ -20,11 +20,9 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +32,11 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import OpState, RankFailure
 from dtlab.instrument.ops import OP_NAMES
 from dtlab.instrument.unseen import warn_unseen
+from dtlab.launch import lifeline
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 from dtlab.launch.flight import Dumps
 from dtlab.launch.rank import LIVE_SLOTS, rank_main
@@ -166,7 +166,7 @@ class _Ranks:
         self.ctx, self.world_size, self.options = ctx, world_size, options
         self.live_buffer = ctx.RawArray("d", LIVE_SLOTS * world_size)
         self.live = np.frombuffer(self.live_buffer, dtype=np.float64)
-        self.log_dir = tempfile.mkdtemp(prefix="dtlab-launch-")
+        self.log_dir = str(lifeline.temporary_folder("dtlab-launch-"))  # the reaper's if this process dies
         self.log_paths = [os.path.join(self.log_dir, f"rank{r}.log") for r in range(world_size)]
         self.procs: list[Any] = []
         self.readers: dict[Any, int] = {}  # the pipe each rank sends home on, until it closes
@@ -282,7 +282,7 @@ class _Ranks:
         for conn in self.readers:
             conn.close()
         self.logs = {r: read_text(path) for r, path in enumerate(self.log_paths)}
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+        lifeline.remove_folder(self.log_dir)
         warn_unseen(self.logs.values())  # once per path no rank's recorder could see
 
     def collect(self, flight: dict[int, bytes]) -> LaunchResult:
@@ -330,6 +330,7 @@ def launch(
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid: must be an integer >= 1")
+    check_world_cap(world_size)
     options = LaunchOptions(backend=backend, device=device, timeout_s=timeout_s, deadline_s=deadline_s,
                             progress=progress, record=record, env=env or {}, stop=stop,
                             flight_recorder=flight_recorder)

@@ -10,8 +10,10 @@ directions (the node's upload on its side, its download on the bridge side).
 frame ``delay_ms`` before passing it on (``dtlab.launch.netdelay``).
 
 Needs root (CAP_NET_ADMIN) and iproute2. Everything is removed on exit, also
-after an error or an interrupt; names carry the creating process id, so a
-later run removes what a killed one left behind.
+after an error or an interrupt; if the process that made them dies without a
+word (SIGKILL), the reaper it registered them with removes them
+(``dtlab.launch.lifeline``); and names carry the creating process id, so a
+later run (or ``python -m dtlab clean``) removes whatever is left of a dead one.
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dtlab.launch import lifeline
 
 __all__ = ["PREFIX", "Host", "NetnsError", "SimulatedHosts", "available", "leftovers", "remove_stale"]
 
 PREFIX = "dtlab-"  # namespace names: dtlab-<pid>-<token>-<node>
 _NS = re.compile(r"^dtlab-(\d+)-([0-9a-f]{6})-(\d+)$")
 _SUBNET = "10.213.0"
+# Namespaces are the machine's, and so is this lock: not under TMPDIR, which may differ from one user to the next.
+_LOCK = Path("/tmp/dtlab-netns.lock")
 
 
 class NetnsError(RuntimeError):
@@ -87,15 +91,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _kill_inside(netns: str) -> None:
-    for pid in _ip("netns", "pids", netns, check=False).split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
 def _delete_namespace(netns: str) -> None:
-    _kill_inside(netns)
-    _ip("netns", "del", netns, check=False)  # its veth goes with it, and so the peer on the bridge
+    lifeline.remove_namespace(netns)  # its veth goes with it, and so the peer on the bridge
 
 
 def _bridges() -> list[str]:
@@ -107,7 +104,7 @@ def _bridges() -> list[str]:
 def _lock() -> Iterator[None]:
     # Making hosts and sweeping stale ones are serialised across processes: a sweep that ran between
     # another run's bridge and its first namespace would take the new bridge for a dead one.
-    with open(Path(tempfile.gettempdir()) / "dtlab-netns.lock", "a") as f:
+    with open(_LOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -195,11 +192,13 @@ class SimulatedHosts:
 
     def _create(self) -> None:
         if not self.delay_ms:  # with a delay, the relay joins the links instead
+            lifeline.watch("link", self.bridge)  # registered first: a kill right after the add still finds it
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
         for i in range(self.nodes):
             netns = f"{PREFIX}{os.getpid()}-{self.token}-{i}"
             outside, inside = f"dtv{self.token}{i}", f"dtn{self.token}{i}"
+            lifeline.watch("netns", netns)
             _ip("netns", "add", netns)
             self.hosts.append(Host(netns, f"{_SUBNET}.{i + 1}", inside))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", netns)
@@ -217,8 +216,8 @@ class SimulatedHosts:
             self._start_relay([f"dtv{self.token}{i}" for i in range(self.nodes)])
 
     def _start_relay(self, outsides: list[str]) -> None:
-        self._relay = subprocess.Popen([sys.executable, "-m", "dtlab.launch.netdelay", "--delay-ms",
-                                        f"{self.delay_ms:g}", *outsides], stdout=subprocess.PIPE,
+        cmd = [sys.executable, "-m", "dtlab.launch.netdelay", "--delay-ms", f"{self.delay_ms:g}", *outsides]
+        self._relay = subprocess.Popen(lifeline.dying_with_parent(cmd), stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
         line = self._relay.stdout.readline() if self._relay.stdout else ""
         if line.strip() != "ready":
@@ -245,7 +244,9 @@ class SimulatedHosts:
             name = f"{PREFIX}{os.getpid()}-{self.token}-{i}"
             if name in _namespaces():
                 _delete_namespace(name)
+            lifeline.forget("netns", name)
         _ip("link", "del", self.bridge, check=False)
+        lifeline.forget("link", self.bridge)
         self.hosts = []
 
     @staticmethod

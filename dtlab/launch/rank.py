@@ -25,7 +25,7 @@ from dtlab.core import progress
 from dtlab.core.env import DistInfo
 from dtlab.core.failures import ErrorReport
 from dtlab.instrument.recorder import CommRecorder
-from dtlab.launch import flight
+from dtlab.launch import flight, lifeline
 from dtlab.launch.contract import RankOptions
 
 LIVE_SLOTS = 5  # per rank: collective count, op code, in flight, entered at, step
@@ -87,6 +87,9 @@ def rank_main(payload: bytes, rank: int, world_size: int, port: int, conn: Any, 
               log_path: str, options: RankOptions, alive: Any) -> None:
     """Body of every rank process: set up, run ``fn(info, *args)``, send the value (or the error) home."""
     os.setpgid(0, 0)  # own process group, so teardown reaches anything it starts
+    # SIGKILL when the forkserver (or, with spawn, the launcher) ends, even while this rank holds the GIL
+    # in C code and the thread below cannot run.
+    lifeline.die_with_parent()
     # A rank the launcher cannot kill by pid (interrupted while starting it) still
     # ends: the launcher closes this pipe however the launch ends.
     threading.Thread(target=_exit_with_launcher, args=(alive,), daemon=True).start()

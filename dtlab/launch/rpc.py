@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 import torch
 
 from dtlab.core.compat import set_rpc_timeout, tensorpipe_options
-from dtlab.core.config import shared_threads
+from dtlab.core.config import check_world_cap, shared_threads
 from dtlab.core.net import LOOPBACK, interface_for, warn_if_exposed
 from dtlab.instrument.rpc import RpcRecorder, RpcWorker, events_frame, install, set_current
 from dtlab.launch.contract import LaunchResult, Progress
@@ -116,6 +116,7 @@ def launch_rpc(fn: Callable[..., Any], names: list[str] | tuple[str, ...], *, ar
     """
     names = tuple(names)
     _check_names(names)
+    check_world_cap(len(names), "RPC workers")
     if not rpc_timeout_s > 0:
         raise ValueError(f"rpc_timeout_s={rpc_timeout_s!r} is invalid: must be > 0 seconds")
     interface_for(bind_address)  # fails here, before any process starts

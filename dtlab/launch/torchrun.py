@@ -15,12 +15,10 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -33,8 +31,10 @@ import cloudpickle
 import psutil
 
 from dtlab.core import events
+from dtlab.core.config import check_world_cap
 from dtlab.core.failures import RankFailure
 from dtlab.instrument.unseen import warn_unseen
+from dtlab.launch import lifeline
 from dtlab.launch import workdir as workdir_files
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar, launch_error
 from dtlab.launch.flight import Dumps
@@ -150,6 +150,7 @@ def launch_torchrun(
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} is invalid: must be >= 0")
     nodes = list(nodes or [Node()])
+    check_world_cap(nproc_per_node * len(nodes), "nproc_per_node x nodes")
     with _workdir(workdir) as work:
         dumps = Dumps(flight_recorder, work / "flight_recorder")
         options = dataclasses.replace(options, env={**options.env, **dumps.env()})
@@ -164,17 +165,15 @@ def launch_torchrun(
 
 @contextlib.contextmanager
 def _workdir(workdir: str | os.PathLike[str] | None) -> Iterator[Path]:
-    """WORKDIR as given (kept afterwards), or a temporary one, removed however the launch ends."""
+    """WORKDIR as given (kept afterwards), or a temporary one, removed however the launch ends (by the reaper if
+    this process dies: ``dtlab.launch.lifeline``)."""
     if workdir is not None:
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
         yield work
         return
-    work = Path(tempfile.mkdtemp(prefix="dtlab-torchrun-"))
-    try:
+    with lifeline.folder("dtlab-torchrun-") as work:
         yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _write_payload(work: Path, fn: Callable[..., Any], args: tuple, options: LaunchOptions) -> None:
@@ -192,10 +191,13 @@ def _node_commands(work: Path, nodes: list[Node], nproc_per_node: int, nnodes: s
     port, rdzv_id = free_port(), uuid.uuid4().hex[:12]
     commands = []
     for i, node in enumerate(nodes):
+        # torchrun's own logs (and error files) in WORKDIR, not in a torchelastic_* folder of /tmp that stays.
         cmd = torchrun_command(work, nproc_per_node, nnodes=nnodes, port=port, rdzv_id=rdzv_id,
                                max_restarts=max_restarts, rdzv_host=nodes[0].addr, local_addr=node.addr,
-                               is_host=(i == 0) if len(nodes) > 1 or node.netns else None, rdzv_conf=rdzv_conf)
-        commands.append(["ip", "netns", "exec", node.netns, *cmd] if node.netns else cmd)
+                               is_host=(i == 0) if len(nodes) > 1 or node.netns else None, rdzv_conf=rdzv_conf,
+                               extra=("--log-dir", str(work / f"torchelastic-node{i}")))
+        # The agent dies with this process, whatever kills it (ip netns exec execs: the setting holds).
+        commands.append(lifeline.dying_with_parent(["ip", "netns", "exec", node.netns, *cmd] if node.netns else cmd))
     return commands, rdzv_id
 
 
@@ -216,6 +218,7 @@ class _Agents:
         self.bar = ProgressBar(options.progress)
         self.relay = _Relay(work, self.bar)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.starts: dict[int, str] = {}  # each agent's start time, as registered with the reaper
         self.late: set[int] = set()  # still waiting after the others finished: never got into the world
         self.note = ""  # why the launcher ended the run (a deadline), if it did
         self.stopped = False
@@ -229,6 +232,7 @@ class _Agents:
         with open(self.work / f"torchrun-node{i}.log", "wb") as log:
             self.procs[i] = subprocess.Popen(self.commands[i], stdout=log, stderr=subprocess.STDOUT, env=node_env,
                                              start_new_session=True)
+        self.starts[i] = lifeline.watch_process(self.procs[i].pid)  # a second line: the reaper kills it and its workers
         events.emit_to(self.work, "node_start", node=i, addr=node.addr, agent_pid=self.procs[i].pid,
                        rdzv_id=self.rdzv_id)
 
@@ -291,9 +295,10 @@ class _Agents:
     def _teardown(self) -> None:
         if self.failed_at is not None or self.note:  # ranks still running dump before they are killed
             self.dumps.request(range(self.world), wait_s=1.0)
-        for p in self.procs.values():
+        for i, p in self.procs.items():
             if p.poll() is None or self.note or self.stopped:
                 kill_session(p)
+            lifeline.forget_process(p.pid, self.starts[i])
         self.relay.poll()  # what arrived after the last poll
         self.bar.close()
 

@@ -31,7 +31,7 @@ from dtlab.core.config import resolve_import_path
 from dtlab.core.env import DistInfo
 from dtlab.core.events import WORKDIR_ENV, emit
 from dtlab.core.results import FLIGHT_DIR, atomic_write
-from dtlab.launch import flight
+from dtlab.launch import flight, lifeline
 from dtlab.launch.contract import RankOptions
 from dtlab.launch.rank import call_recorded
 from dtlab.launch.workdir import CONFIG, PAYLOAD, error_path, progress_path, read_config, result_path
@@ -80,7 +80,16 @@ def _arm_flight_recorder(rank: int) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+def _die_with_agent() -> None:
+    """SIGKILL when this worker's torchrun agent ends: torchrun's workers run in sessions of their own, so
+    nothing else reaches them once their agent was killed. Under dtlab's launcher the agent runs wrapped
+    (``dtlab.launch.lifeline``) and says its pid: a worker whose agent died before this line exits."""
+    expected = os.environ.get(lifeline.LIFELINE_PID_ENV, "")
+    lifeline.die_with_parent(int(expected) if expected.isdigit() else None)
+
+
 def main(workdir: Path) -> int:
+    _die_with_agent()
     rank = int(os.environ["RANK"])
     os.environ[WORKDIR_ENV] = str(workdir)
     if rank == 0:

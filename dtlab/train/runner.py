@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
-import tempfile
 import threading
 import time
 
 from dtlab.core import registry
-from dtlab.core.config import RunConfig
+from dtlab.core.config import RunConfig, check_world_cap
 from dtlab.core.env import resolve_backend
 from dtlab.core.registry import AgentPlan, ReplicaPlan, TierSpec
 from dtlab.core.results import RunResult
-from dtlab.launch import netns
+from dtlab.launch import lifeline, netns
 from dtlab.launch.contract import Progress
 from dtlab.launch.local import launch
 from dtlab.launch.rpc import launch_rpc
@@ -34,6 +32,7 @@ from dtlab.train.replicas import run_replicas
 def preflight(cfg: RunConfig) -> None:
     """Every check that looks at the machine (files, namespaces), before any process starts."""
     resolve_backend(cfg.backend, cfg.device)  # --device cuda / --backend nccl on a machine without CUDA
+    check_world_cap(cfg.world_size, "RunConfig.world_size")  # an instructor's cap on a shared server
     spec = registry.get(cfg.tier)
     spec.preflight(cfg)
     if spec.agents is not None:
@@ -50,6 +49,7 @@ def run(cfg: RunConfig, *, progress: Progress = True, start_method: str = "forks
     setting ``stop`` from another thread ends the run (``LaunchStopped``).
     """
     resolve_backend(cfg.backend, cfg.device)  # a device this machine lacks fails here, not in every rank
+    check_world_cap(cfg.world_size, "RunConfig.world_size")  # an instructor's cap on a shared server
     spec = registry.get(cfg.tier)
     spec.preflight(cfg)  # the network is resolved (and checked) once, by _run_torchrun, before any agent starts
     if spec.launcher == "torchrun":
@@ -96,6 +96,7 @@ def run_on_hosts(cfg: RunConfig, nnodes: int, link_mbit: float, *, progress: Pro
     if not link_mbit > 0:
         raise ValueError(f"run_on_hosts: link_mbit={link_mbit!r} must be > 0 Mbit/s")
     resolve_backend(cfg.backend, cfg.device)
+    check_world_cap(cfg.world_size, "RunConfig.world_size")
     spec.preflight(cfg)
     plan = AgentPlan(nproc_per_node=cfg.world_size // nnodes, nodes=nnodes, network="netns", link_mbit=link_mbit)
     return _run_torchrun(cfg, spec, progress=progress, record=record, stop=None, plan=plan)
@@ -111,8 +112,7 @@ def _run_torchrun(cfg: RunConfig, spec: TierSpec, *, progress: Progress, record:
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if plan.scratch_option and not getattr(cfg.tier_options, plan.scratch_option):
-            scratch = tempfile.mkdtemp(prefix=f"dtlab-{cfg.tier}-")
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = str(stack.enter_context(lifeline.folder(f"dtlab-{cfg.tier}-")))
             cfg_run = cfg.replace(tier_options=dataclasses.replace(cfg.tier_options,
                                                                    **{plan.scratch_option: scratch}))
         else:
