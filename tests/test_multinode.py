@@ -50,8 +50,11 @@ def test_slow_link_makes_the_ddp_step_slower(single):
     slow = dtlab.run(_cfg(network="netns", link_mbit=200), progress=False)
     assert [r.strategy["addr"] for r in slow.ranks] == ["10.213.0.1", "10.213.0.2"]
     assert all(r.strategy["network"] == "netns" for r in slow.ranks)
-    # 85k float gradients = 340 KB per step: ~14 ms at 200 Mbit/s, well under 1 ms at 10 Gbit/s.
-    assert slow.median_step_s() > fast.median_step_s() * 1.5 + 0.003
+    # 85k float gradients = 340 KB per step: ~14 ms on the wire at 200 Mbit/s, well under 1 ms at 10 Gbit/s.
+    # DDP overlaps part of it with the backward, so a step is longer by less than that (7 ms measured); a
+    # third of the wire time is still far above a step's jitter here
+    wire_s = sum(t.numel() * t.element_size() for t in slow.params().values()) * 8 / 200e6
+    assert slow.median_step_s() - fast.median_step_s() > wire_s / 3, (slow.median_step_s(), fast.median_step_s())
     assert slow.max_param_diff(single) <= TOLERANCE
     assert netns.leftovers() == []
 
