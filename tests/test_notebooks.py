@@ -13,10 +13,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from dtlab.app.book import CACHE as EXECUTIONS
-from dtlab.app.book import executions, save_execution
+from dtlab.app.book import executions, run_quick, save_execution
 from dtlab.app.predict import HEADLESS_NOTE
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
@@ -63,13 +62,9 @@ def test_the_checks_above_catch_what_they_look_for():
 NOTEBOOK_JOBS = 2
 
 
-def execute(path: Path, folder: Path) -> tuple[nbformat.NotebookNode, float]:
-    """``path`` run top to bottom in a fresh kernel in quick mode, from ``folder``; its outputs and seconds."""
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+def timed_run(path: Path, folder: Path) -> tuple[nbformat.NotebookNode, float]:
     t0 = time.perf_counter()
-    client.execute(env={**os.environ, "DTLAB_QUICK": "1", "MPLBACKEND": "Agg"})  # raises CellExecutionError
-    return nb, time.perf_counter() - t0
+    return run_quick(path, folder, timeout_s=300), time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +72,9 @@ def executed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     """The selected notebooks' executions, started together on first use (``NOTEBOOK_JOBS`` at a time)."""
     chosen = [item.callspec.params["path"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_notebook_runs_in_quick_mode"]
-    with ThreadPoolExecutor(max_workers=NOTEBOOK_JOBS) as pool:
-        yield {path: pool.submit(execute, path, tmp_path_factory.mktemp(path.stem)) for path in chosen}
-        pool.shutdown(cancel_futures=True)
+    pool = ThreadPoolExecutor(max_workers=NOTEBOOK_JOBS)
+    yield {path: pool.submit(timed_run, path, tmp_path_factory.mktemp(path.stem)) for path in chosen}
+    pool.shutdown(cancel_futures=True)  # a stopped session starts none of the notebooks still queued
 
 
 @pytest.mark.slow

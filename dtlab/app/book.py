@@ -84,26 +84,20 @@ def cached_execution(notebook: Path, cache: Path = CACHE) -> nbformat.NotebookNo
     return nb if nb.metadata.get("dtlab", {}).get("execution_key") == execution_key(notebook) else None
 
 
-@contextmanager
-def _quick_environment() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in QUICK_ENV}
-    os.environ.update(QUICK_ENV)  # the kernel inherits this process's environment
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def run_quick(notebook: Path, folder: Path, timeout_s: int = 600) -> nbformat.NotebookNode:
+    """``notebook`` run top to bottom in quick mode by a fresh kernel started in ``folder``; raises
+    CellExecutionError, naming the cell, where one fails. Only the kernel's environment is set, so that
+    several notebooks may run at once from threads of one process."""
+    nb = nbformat.read(notebook, as_version=4)
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    client.execute(env={**os.environ, **QUICK_ENV})
+    return nb
 
 
 def execute(notebook: Path, cache: Path = CACHE, timeout_s: int = 600) -> nbformat.NotebookNode:
     """Run ``notebook`` top to bottom in quick mode in a scratch folder, and keep the execution."""
-    nb = nbformat.read(notebook, as_version=4)
-    with tempfile.TemporaryDirectory(prefix="dtlab-book-") as scratch, _quick_environment():
-        NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                       resources={"metadata": {"path": scratch}}).execute()
+    with tempfile.TemporaryDirectory(prefix="dtlab-book-") as scratch:
+        nb = run_quick(notebook, Path(scratch), timeout_s)
     save_execution(nb, notebook, cache)
     return nb
 
