@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dtlab import tiers
-from dtlab.app import cli, saving
+from dtlab.app import commands, saving
 from dtlab.app.cli import main
 from dtlab.core import options
 from dtlab.core.results import RunResult, load_params
@@ -62,8 +63,8 @@ def nothing_runs(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a run was started")
 
-    monkeypatch.setattr(cli, "run", refuse)
-    monkeypatch.setattr(cli, "compare", refuse)
+    monkeypatch.setattr(commands, "run", refuse)
+    monkeypatch.setattr(commands, "compare", refuse)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -183,16 +184,16 @@ def test_every_option_of_every_tier_can_be_given_on_the_command_line(tier):
     defaults = spec.options()
     for field in dataclasses.fields(spec.options):
         for value in _option_values(getattr(defaults, field.name)):
-            given = cli.tier_options(tier, [f"{field.name}={options.format(value)}"])
+            given = commands.tier_options(tier, [f"{field.name}={options.format(value)}"])
             assert getattr(given, field.name) == value and type(getattr(given, field.name)) is type(value), field
     for raw in ("true", "True", "1", "yes", "false", "0", "no", "NO"):  # every bool spelling
         assert options.parse("bool", raw) is (raw.lower() in ("true", "1", "yes"))
 
 
 def test_a_tuple_option_adds_up_over_repeated_opts():
-    o = cli.tier_options("elastic", ["faults=sigkill:7:1", "faults=exception:12:0,oom:3"])
+    o = commands.tier_options("elastic", ["faults=sigkill:7:1", "faults=exception:12:0,oom:3"])
     assert o.faults == ("sigkill:7:1", "exception:12:0", "oom:3")
-    assert cli.tier_options("elastic", ["faults="]).faults == ()
+    assert commands.tier_options("elastic", ["faults="]).faults == ()
 
 
 def test_compare_reports_parity_for_each_tier(tmp_path, capsys):
@@ -228,7 +229,7 @@ def test_estimate_passes_compute_and_refuses_it_without_a_link(monkeypatch, caps
         seen.update(link=link, compute=compute)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(cli.estimate, "estimate", fake)
+    monkeypatch.setattr(commands.estimate, "estimate", fake)
     assert main(["estimate", "--tier", "ddp", "--world-size", "2", "--link", "200", "--compute", "predicted"]) == 2
     assert seen["compute"] == "predicted" and seen["link"] is not None
     capsys.readouterr()
@@ -236,3 +237,42 @@ def test_estimate_passes_compute_and_refuses_it_without_a_link(monkeypatch, caps
     assert main(["estimate", "--compute", "predicted"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --compute predicted: the compute is priced only with --link") and not seen
+
+
+FRONT_DOOR = """
+import sys
+from dtlab.app import cli
+import dtlab
+lines = [["--help"], ["run", "--help"], ["run", "--no-such-flag"], ["run", "--tier", "no-such-tier"],
+         ["run", "--tier", "ddp", "--steps", "0"], ["compare", "--tiers", "ddp,nope"], ["cluster", "--help"]]
+for argv in lines:
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    print("@@", argv[-1], code, sorted(m for m in sys.modules if m == "torch" or m.startswith("dtlab.tiers.")))
+"""
+
+
+def test_help_and_a_bad_flag_are_answered_before_torch_or_a_tier_is_imported():
+    done = subprocess.run([sys.executable, "-c", FRONT_DOOR], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answers = [line.split(" ", 3)[1:] for line in done.stdout.splitlines() if line.startswith("@@ ")]
+    assert [(flag, code) for flag, code, _ in answers] == [
+        ("--help", "0"), ("--help", "0"), ("--no-such-flag", "2"), ("no-such-tier", "2"), ("0", "2"),
+        ("ddp,nope", "2"), ("--help", "0")]
+    assert {loaded for *_, loaded in answers} == {"[]"}, done.stdout
+    assert "--tiers: RunConfig.tier='nope' is invalid" in done.stderr
+
+
+def test_the_registry_names_every_tier_without_importing_one_and_each_module_declares_its_name():
+    from dtlab import tiers
+    from dtlab.core import registry
+
+    assert tiers.TIERS == registry.COURSE and len(set(registry.COURSE)) == len(registry.COURSE)
+    for name in registry.COURSE:
+        module = importlib.import_module(registry.module_name(name))
+        assert module.SPEC.name == name and registry.get(name) is module.SPEC
+    assert set(registry.CLUSTER) <= set(registry.COURSE)
+    with pytest.raises(ValueError, match="unknown tier 'nope': choose one of single, dp"):
+        registry.get("nope")

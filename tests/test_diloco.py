@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtlab
-from dtlab.app import cli
+from dtlab.app import commands
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import RankError
@@ -41,7 +41,7 @@ def test_bad_diloco_input_is_refused_by_the_config(options, message):
 
 
 def test_diloco_given_an_option_it_does_not_take_is_one_line_and_exit_2(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("a run was started"))
+    monkeypatch.setattr(commands, "run", lambda *a, **k: pytest.fail("a run was started"))
     assert main(["run", "--tier", "diloco", "--world-size", "2", "--opt", "bucket_cap_mb=5", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "tier 'diloco' has no option 'bucket_cap_mb'" in err and err.count("\n") == 1

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dtlab
-from dtlab.app import cli
+from dtlab.app import cli, commands
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import CollectiveTimeout, RankFailure
 from dtlab.core.flight import read, read_all, torch_verdict
@@ -139,7 +139,7 @@ def test_a_failed_cli_run_keeps_the_dumps_and_says_what_they_show(tmp_path, monk
         assert cfg.flight_recorder
         raise error
 
-    monkeypatch.setattr(cli, "run", failing_run)
+    monkeypatch.setattr(commands, "run", failing_run)
     code = cli.main(["run", "--tier", "ddp", "--world-size", "2", "--flight-recorder", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1 and "Flight Recorder (dtlab): rank 1 never issued all_reduce #2" in err

@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 import dtlab
-from dtlab.app import cli
+from dtlab.app import commands
 from dtlab.app.cli import main
 from dtlab.core.config import RunConfig
 from dtlab.core.failures import RankError
@@ -61,7 +61,7 @@ def nothing_runs(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a run was started")
 
-    monkeypatch.setattr(cli, "run", refuse)
+    monkeypatch.setattr(commands, "run", refuse)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dtlab.core import own_data, registry
+from dtlab.core import registry
+from dtlab.core.dataset_spec import invalid as invalid_dataset
+from dtlab.core.dataset_spec import label as dataset_label
 
 MODELS = ("mlp", "cnn", "cnn-bn", "charformer", "moe")
 TEXT_MODELS = ("charformer", "moe")  # the models that read characters (dataset="text")
@@ -107,6 +109,62 @@ def needs_text(spec: registry.TierSpec) -> bool:
     return bool(spec.models) and set(spec.models) <= set(TEXT_MODELS)
 
 
+def check_fields(job: Any) -> None:
+    """The checks every tier shares, on anything with ``RunConfig``'s fields (ValueError naming the field).
+
+    No tier is imported (nor torch): the command line runs these on its flags before it loads either.
+    """
+    if job.tier not in registry.names():
+        _fail("tier", job.tier, f"choose one of {', '.join(registry.names())}")
+    for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "model_heads",
+                 "dataset_size"):
+        value = getattr(job, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(name, value, "must be an integer >= 1")
+    if job.global_batch_size % job.world_size:
+        _fail(
+            "global_batch_size",
+            job.global_batch_size,
+            f"must be divisible by world_size={job.world_size} so every rank gets the same share",
+        )
+    if isinstance(job.model, str):
+        if ":" in job.model:
+            try:
+                resolve_import_path(job.model)
+            except ValueError as exc:
+                _fail("model", job.model, str(exc))
+        elif job.model not in MODELS:
+            _fail("model", job.model, f"choose one of {', '.join(MODELS)} or 'package.module:factory'")
+    elif not callable(job.model):
+        _fail("model", job.model, "must be a name, an import path or a callable")
+    own_data = callable(job.dataset) or isinstance(job.dataset, str) and ":" in job.dataset
+    if job.model in TEXT_MODELS and job.dataset != "text" and not own_data:  # own data: the tier check says more
+        _fail("model", job.model, f"{job.model} reads characters: use dataset='text'")
+    if job.dataset == "text" and job.model in ("mlp", "cnn", "cnn-bn"):
+        _fail("dataset", job.dataset, "the text data set needs model='charformer' or 'moe'")
+    if job.model in TEXT_MODELS and job.model_size % job.model_heads:
+        _fail("model_heads", job.model_heads, f"the {job.model}'s width model_size={job.model_size} must "
+              "split into whole heads: use a divisor of it")
+    if job.optimizer not in OPTIMIZERS:
+        _fail("optimizer", job.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
+    if not job.lr > 0:
+        _fail("lr", job.lr, "must be > 0")
+    if job.backend not in BACKENDS:
+        _fail("backend", job.backend, f"choose one of {', '.join(BACKENDS)}")
+    if job.device not in DEVICES:
+        _fail("device", job.device, f"choose one of {', '.join(DEVICES)}")
+    if job.device == "cpu" and job.backend == "nccl":
+        _fail("backend", job.backend, "nccl needs CUDA devices; use gloo with device='cpu'")
+    if not isinstance(job.threads_per_rank, int) or job.threads_per_rank < 0:
+        _fail("threads_per_rank", job.threads_per_rank, "must be an integer >= 0 (0 = automatic)")
+    if not job.timeout_s > 0:
+        _fail("timeout_s", job.timeout_s, "must be > 0 seconds")
+    if job.slow_rank:
+        rank, _ = parse_slow_rank(job.slow_rank)
+        if rank >= job.world_size:
+            _fail("slow_rank", job.slow_rank, f"rank {rank} does not exist (ranks 0..{job.world_size - 1})")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A training job. Tier-specific knobs live in ``tier_options``.
@@ -154,56 +212,10 @@ class RunConfig:
     tier_options: Any = None
 
     def __post_init__(self) -> None:
-        if self.tier not in registry.names():
-            _fail("tier", self.tier, f"choose one of {', '.join(registry.names())}")
-        for name in ("world_size", "steps", "global_batch_size", "model_size", "model_depth", "model_heads",
-                     "dataset_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "must be an integer >= 1")
-        if self.global_batch_size % self.world_size:
-            _fail(
-                "global_batch_size",
-                self.global_batch_size,
-                f"must be divisible by world_size={self.world_size} so every rank gets the same share",
-            )
-        if isinstance(self.model, str):
-            if ":" in self.model:
-                try:
-                    resolve_import_path(self.model)
-                except ValueError as exc:
-                    _fail("model", self.model, str(exc))
-            elif self.model not in MODELS:
-                _fail("model", self.model, f"choose one of {', '.join(MODELS)} or 'package.module:factory'")
-        elif not callable(self.model):
-            _fail("model", self.model, "must be a name, an import path or a callable")
+        check_fields(self)
+        # The tier's own checks after: they import its module (and torch).
         spec = registry.get(self.tier)
         own = self._check_dataset_kind(spec)
-        if self.model in TEXT_MODELS and self.dataset != "text":
-            _fail("model", self.model, f"{self.model} reads characters: use dataset='text'")
-        if self.dataset == "text" and self.model in ("mlp", "cnn", "cnn-bn"):
-            _fail("dataset", self.dataset, "the text data set needs model='charformer' or 'moe'")
-        if self.model in TEXT_MODELS and self.model_size % self.model_heads:
-            _fail("model_heads", self.model_heads, f"the {self.model}'s width model_size={self.model_size} must "
-                  "split into whole heads: use a divisor of it")
-        if self.optimizer not in OPTIMIZERS:
-            _fail("optimizer", self.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            _fail("lr", self.lr, "must be > 0")
-        if self.backend not in BACKENDS:
-            _fail("backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
-        if self.device not in DEVICES:
-            _fail("device", self.device, f"choose one of {', '.join(DEVICES)}")
-        if self.device == "cpu" and self.backend == "nccl":
-            _fail("backend", self.backend, "nccl needs CUDA devices; use gloo with device='cpu'")
-        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 0:
-            _fail("threads_per_rank", self.threads_per_rank, "must be an integer >= 0 (0 = automatic)")
-        if not self.timeout_s > 0:
-            _fail("timeout_s", self.timeout_s, "must be > 0 seconds")
-        if self.slow_rank:
-            rank, _ = parse_slow_rank(self.slow_rank)
-            if rank >= self.world_size:
-                _fail("slow_rank", self.slow_rank, f"rank {rank} does not exist (ranks 0..{self.world_size - 1})")
         if self.optimizer not in spec.optimizers:
             able = [n for n in registry.names() if self.optimizer in registry.get(n).optimizers]
             _fail("optimizer", self.optimizer, f"the {self.tier} tier steps {' and '.join(spec.optimizers)} only; "
@@ -231,17 +243,19 @@ class RunConfig:
                       f"'package.module:factory' or a callable factory()")
             return False
         if self.model in TEXT_MODELS:
-            raise own_data.invalid(self.dataset, f"model={self.model!r} reads the built-in token data "
+            raise invalid_dataset(self.dataset, f"model={self.model!r} reads the built-in token data "
                                    f"(dataset='text'); data of your own trains mlp, cnn, cnn-bn or a model of your own")
         if needs_text(spec):
             able = [n for n in registry.names() if not needs_text(registry.get(n))]
-            raise own_data.invalid(self.dataset, f"the {self.tier} tier splits the built-in "
+            raise invalid_dataset(self.dataset, f"the {self.tier} tier splits the built-in "
                                    f"{' / '.join(spec.models)} over the text's tokens, so it needs dataset='text'; "
                                    f"data of your own runs on {', '.join(able)}")
         return True
 
     def _check_own_data(self) -> None:
         builtin = self.model if isinstance(self.model, str) and self.model in MODELS else ""
+        # Imported here, by name: checking tensors needs torch, and a RunConfig without data of one's own does not.
+        own_data = importlib.import_module("dtlab.core.own_data")
         own_data.check(dataset_factory(self.dataset), self.dataset, self.seed, self.global_batch_size, builtin)
 
     def _check_flight_recorder(self, spec: registry.TierSpec) -> None:
@@ -333,7 +347,7 @@ class RunConfig:
             target = getattr(self.model, "func", self.model)  # functools.partial: name the function
             out["model"] = getattr(target, "__qualname__", type(target).__name__)
         if callable(self.dataset):
-            out["dataset"] = own_data.label(self.dataset)
+            out["dataset"] = dataset_label(self.dataset)
         out["tier_options"] = dataclasses.asdict(self.tier_options)
         return out
 

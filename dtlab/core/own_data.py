@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dtlab.core import data as datasets
+from dtlab.core.dataset_spec import invalid, label
 
 __all__ = ["Summary", "check", "invalid", "label", "load", "tensors"]
 
@@ -35,24 +36,6 @@ class Summary:
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
     num_classes: int
-
-
-def label(spec: str | Callable[..., Any]) -> str:
-    """How errors and results name the data set: the import path, or the callable's name."""
-    if isinstance(spec, str):
-        return spec
-    target = getattr(spec, "func", spec)  # functools.partial: name the function
-    return getattr(target, "__qualname__", type(target).__name__)
-
-
-def invalid(spec: str | Callable[..., Any], what: str) -> ValueError:
-    """The one-line error for this data set: ``RunConfig.dataset=... is invalid: what``."""
-    if isinstance(spec, str):
-        shown = repr(spec)
-    else:
-        kind = "function" if inspect.isfunction(getattr(spec, "func", spec)) else "callable"
-        shown = f"<{kind} {label(spec)}>"
-    return ValueError(f"RunConfig.dataset={shown} is invalid: {what}")
 
 
 def _first_line(exc: BaseException) -> str:

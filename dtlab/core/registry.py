@@ -1,14 +1,18 @@
 """The tier registry: what each tier declares about itself, and where to find it by name.
 
-A tier module builds one ``TierSpec`` (``dtlab.tiers`` registers them all when
-``dtlab`` is imported). ``RunConfig`` checks a job against its tier's spec, the
-runner launches by it, and the CLI and the panel build their knobs from its
-``options`` dataclass. Only data and plain functions live here, so every layer
-can read a spec while the tiers themselves sit above this one.
+A tier module builds one ``TierSpec``; ``COURSE`` lists the tiers by name, in the
+order of the course, and ``get(name)`` imports the tier's module (``dtlab.tiers.<name>``,
+dashes as underscores) the first time it is asked for. ``RunConfig`` checks a job
+against its tier's spec, the runner launches by it, and the CLI and the panel build
+their knobs from its ``options`` dataclass. Only data and plain functions live here,
+so every layer can read a spec while the tiers themselves sit above this one; and a
+tier's name is known without importing torch or any tier (the command line answers
+``--help`` or a bad flag at once, and a rank imports only the tier it runs).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,10 +104,18 @@ class TierSpec:
             raise ValueError(f"TierSpec {self.name!r}: an ft tier needs replicas() and a Strategy")
 
 
+# The built-in tiers in the order of the course; each is the module dtlab.tiers.<name with _ for ->.
+COURSE: tuple[str, ...] = ("single", "dp", "ddp-naive", "ddp", "zero", "rpc", "pipeline", "fsdp", "multinode",
+                           "elastic", "ft", "diloco", "tp", "fsdp-tp", "cp", "ep", "nd")
+TIER_PACKAGE = "dtlab.tiers"
+# The tiers a job for machines of one's own can run (dtlab.launch.cluster writes their commands).
+CLUSTER: tuple[str, ...] = ("ddp-naive", "ddp", "zero", "fsdp", "multinode", "elastic")
+
 _TIERS: dict[str, TierSpec] = {}
 
 
 def register(spec: TierSpec) -> TierSpec:
+    """Add a tier (a built-in one registers on first ``get``; a tier of your own, by calling this)."""
     if spec.name in _TIERS and _TIERS[spec.name] is not spec:
         raise ValueError(f"tier {spec.name!r} is registered twice")
     _TIERS[spec.name] = spec
@@ -111,10 +123,22 @@ def register(spec: TierSpec) -> TierSpec:
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_TIERS)
+    """Every tier's name: the course's, then any registered besides, without importing a tier."""
+    return COURSE + tuple(n for n in _TIERS if n not in COURSE)
+
+
+def module_name(name: str) -> str:
+    """Where a built-in tier lives, e.g. ``dtlab.tiers.ddp_naive`` for ``ddp-naive``."""
+    return f"{TIER_PACKAGE}.{name.replace('-', '_')}"
 
 
 def get(name: str) -> TierSpec:
+    """The tier called ``name``: a built-in one is imported now if no one has asked for it yet."""
+    if name not in _TIERS and name in COURSE:
+        spec = importlib.import_module(module_name(name)).SPEC
+        if spec.name != name:
+            raise ValueError(f"{module_name(name)}.SPEC is named {spec.name!r}, not {name!r}")
+        register(spec)
     if name not in _TIERS:
-        raise ValueError(f"unknown tier {name!r}: choose one of {', '.join(_TIERS)}")
+        raise ValueError(f"unknown tier {name!r}: choose one of {', '.join(names())}")
     return _TIERS[name]

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtlab.core import events
+from dtlab.core import events, registry
 from dtlab.core.config import RunConfig
 from dtlab.core.flight import dump_files
 from dtlab.core.results import FLIGHT_DIR, RunResult, atomic_write
@@ -31,7 +31,7 @@ from dtlab.launch.torchrun import load_results, result_paths, torchrun_command
 __all__ = ["SBATCH", "TIERS", "ClusterPlan", "check", "collect", "plan", "write"]
 
 # The tiers whose ranks are plain torchrun workers: dtlab.launch.worker runs train() with the process group up.
-TIERS = ("ddp-naive", "ddp", "zero", "fsdp", "multinode", "elastic")
+TIERS = registry.CLUSTER
 _NOT_HERE = {
     "single": "it trains one rank in one process, so there is nothing to spread over nodes",
     "dp": "it is one process driving replicas (threads or local GPUs), not ranks torchrun starts",

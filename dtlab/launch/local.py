@@ -32,6 +32,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from dtlab.core import registry
 from dtlab.core.config import check_world_cap
 from dtlab.core.failures import OpState, RankFailure
 from dtlab.instrument.ops import OP_NAMES
@@ -42,9 +43,10 @@ from dtlab.launch.flight import Dumps
 from dtlab.launch.rank import LIVE_SLOTS, rank_main
 
 # Imported once in the forkserver, so every rank starts with them loaded (seconds saved per launch).
-# torch._dynamo alone costs 0.7 s: the first optimizer a rank builds imports it.
+# torch._dynamo alone costs 0.7 s: the first optimizer a rank builds imports it. Every tier too (DTensor and
+# the pipelining schedules are another 1-2 s), although a process outside the forkserver imports only its own.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "cloudpickle", "numpy", "sklearn.datasets",
-            "dtlab.launch.rank", "dtlab.train"]
+            "dtlab.launch.rank", "dtlab.train", *(registry.module_name(name) for name in registry.COURSE)]
 _GRACE_S = 0.5  # after the first failure, time for the victims' reports to arrive
 _WATCHDOG_SLACK_S = 5.0  # the process group's own timeout gets the first chance to end a hung collective
 _forkserver_ready = False
