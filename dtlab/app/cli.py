@@ -96,7 +96,7 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, int]]:
         return []
     if args.command == "compare":
         sizes = flags.world_sizes(args.world_sizes)
-        return [("single", 1)] + [(t, w) for t in flags.split(args.tiers, "--tiers") for w in sizes]
+        return [("single", 1)] + [(t, w) for t in flags.tier_names(args.tiers) for w in sizes]
     if args.command == "cluster":  # a bad --nnodes is named by the cluster's own check, not as a world size
         return [(args.tier, args.nnodes * args.nproc_per_node)] if min(args.nnodes, args.nproc_per_node) > 0 else []
     return [(args.tier, args.world_size)]

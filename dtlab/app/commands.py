@@ -89,10 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.opt:
         raise ValueError("--opt: compare runs every tier with its default options; use 'run --tier T --opt ...'")
-    names = flags.split(args.tiers, "--tiers")
-    for name in names:
-        if name not in tiers.TIERS:
-            raise ValueError(f"--tiers {args.tiers}: unknown tier {name!r}: choose from {', '.join(tiers.TIERS)}")
+    names = flags.tier_names(args.tiers)
     sizes = flags.world_sizes(args.world_sizes)
     base = config_from_args(args, "single", 1)
     # The jobs compare() will run, each validated and preflighted before the first starts.

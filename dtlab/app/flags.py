@@ -11,6 +11,7 @@ import dataclasses
 import re
 from typing import Any
 
+from dtlab.core import registry
 from dtlab.core.config import RunConfig
 
 # RunConfig's defaults, read off the dataclass: making one would validate it, and that imports its tier.
@@ -70,6 +71,15 @@ def split(text: str, flag: str) -> list[str]:
     if not items:
         raise ValueError(f"{flag} {text!r}: give one or more comma-separated values")
     return items
+
+
+def tier_names(text: str) -> list[str]:
+    """``--tiers a,b``: the names, each a tier (ValueError naming the flag otherwise)."""
+    names = split(text, "--tiers")
+    for name in names:
+        if name not in registry.names():
+            raise ValueError(f"--tiers {text}: unknown tier {name!r}: choose from {', '.join(registry.names())}")
+    return names
 
 
 def world_sizes(text: str) -> list[int]:
