@@ -20,11 +20,11 @@ process group unusable -- a collective that timed out, a rank left waiting for o
 diagnosis. ``%ranks stop`` ends them; so does the kernel's end, however it ends.
 
 Why not ipyparallel, whose engines (``%%px``) are the well-kept way to run a cell on persistent processes: the
-engine here must be ``torch.distributed``, and dtlab's launcher already provides all that ipyparallel would have
-to be wrapped to give -- ranks from a forkserver with torch preloaded, a loopback store, the CommRecorder and its
-live slots (which collective a hung rank waits in), the watchdog, culprit-first errors, Flight Recorder dumps, and
-the liveness pipe and parent-death signal that end the ranks when a kernel is killed (an ipcluster's engines
-outlive a SIGKILLed kernel, and ipyparallel would add a controller, ZeroMQ and a dependency). So the ranks are
+engine here must be ``torch.distributed``, and dtlab's launcher already provides all that ipyparallel's engines
+would have to be wrapped to give -- ranks from a forkserver with torch preloaded, a loopback store, the
+CommRecorder and its live slots (which collective a hung rank waits in), the watchdog, culprit-first errors,
+Flight Recorder dumps, and the liveness pipe and parent-death signal that end the ranks with the kernel even when
+it is SIGKILLed -- while ipyparallel would add a controller, ZeroMQ and a dependency beside them. So the ranks are
 the local launcher's, kept open (``dtlab.launch.session``).
 """
 
