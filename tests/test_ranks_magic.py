@@ -85,9 +85,12 @@ class Kernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(folder), env=env, startup_timeout=120)
         self.pid = int(self.run("import os; print(os.getpid())")[0])
 
-    def run(self, code: str, timeout: float = 240) -> tuple[str, str]:
-        """(what the cell printed, its error's name and the traceback shown, one line each; "" if none)."""
+    def run(self, code: str, timeout: float = 240, interrupt_after_s: float | None = None) -> tuple[str, str]:
+        """(what the cell printed, its error's name and the traceback shown, one line each; "" if none);
+        ``interrupt_after_s``: press the notebook's stop button that long after the cell starts."""
         printed, error = [], []
+        if interrupt_after_s is not None:
+            threading.Timer(interrupt_after_s, self.km.interrupt_kernel).start()
 
         def hook(msg: dict) -> None:
             content = msg["content"]
@@ -191,6 +194,17 @@ def test_a_stuck_collective_ends_with_the_timeout_and_the_flight_recorder_diagno
     assert re.search(r"rank 0: waiting in all_reduce \(its collective #1.*\) for \d", err), err
     assert "Flight Recorder (dtlab): rank 1 never issued all_reduce #1" in err, err
     assert "the ranks were ended" in err
+
+
+@pytest.mark.slow
+def test_an_interrupt_ends_the_ranks_in_one_line(kernel):
+    assert not kernel.run("%%ranks 2\nx = 1")[1]
+    pids = rank_pids(kernel)
+    t0 = time.monotonic()
+    out, err = kernel.run("%%ranks 2\nimport time\ntime.sleep(60)", interrupt_after_s=2)
+    assert time.monotonic() - t0 < 30
+    assert err.splitlines()[1:] == ["KeyboardInterrupt: %%ranks: the ranks were ended, and what they held with them"]
+    assert not gone(pids)
 
 
 @pytest.mark.slow

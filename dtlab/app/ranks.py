@@ -228,7 +228,15 @@ class RanksMagic:
         if cell is None:
             self.line(line)
             return
-        wanted = parse(line, self.running)
+        try:
+            self.cell(line, cell)
+        except KeyboardInterrupt as interrupt:  # while the ranks started or ran: they were ended
+            lines = ["KeyboardInterrupt: %%ranks: the ranks were ended, and what they held with them"]
+            interrupt._render_traceback_ = lambda: lines  # type: ignore[attr-defined]  # not the magic's frames
+            raise
+
+    def cell(self, line: str, cell: str) -> None:
+        wanted = parse(line, self.started_for)  # after ranks were ended, a bare %%ranks starts them as they were
         backend, device = placement(wanted.backend, wanted.world_size)
         owned = self.session.owned if self.session is not None and wanted.same_ranks(self.running) else set(PRESET)
         names = names_to_send(cell, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), owned)
@@ -241,9 +249,6 @@ class RanksMagic:
                                                      {}, 0.0, wanted.world_size, error)
             lines = _error_lines(error, ended)
             error._render_traceback_ = lambda: lines  # type: ignore[attr-defined]  # IPython shows these instead
-            raise
-        except KeyboardInterrupt:
-            print("%%ranks: interrupted; the ranks were ended, and what they held with them")
             raise
         result = _result(out.rows, out.phases, out.output, out.wall_s, wanted.world_size)
         self.shell.user_ns[wanted.out] = result
