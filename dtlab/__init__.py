@@ -76,3 +76,8 @@ __all__ = [
     "shutdown",
     "tiers",
 ]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext dtlab``: the ``%%ranks`` cell magic."""
+    importlib.import_module("dtlab.app.ranks").load_ipython_extension(ipython)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import dtlab
 from dtlab.launch import LaunchOptions, LaunchResult
-from dtlab.launch.local import _loopback_store
+from dtlab.launch.local import loopback_store
 from tests.conftest import leftover_processes
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
@@ -237,7 +237,7 @@ def test_progress_reaches_the_caller_and_output_is_kept():
 
 
 def test_store_listens_on_loopback_only():
-    store, port = _loopback_store(2, 5.0)
+    store, port = loopback_store(2, 5.0)
     listening = [c for c in psutil.Process().net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)

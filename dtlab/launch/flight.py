@@ -131,6 +131,13 @@ class Dumps:
                     found[int(suffix)] = path.read_bytes()
         return dict(sorted(found.items()))
 
+    def clear(self) -> None:
+        """Remove the dumps left so far: ranks that outlive one job (``dtlab.launch.session``) dump again for
+        the next, and an earlier job's dump must not pass for the next one's."""
+        if self.enabled:
+            for path in self.folder.glob("rank_*"):
+                path.unlink(missing_ok=True)
+
     def close(self) -> None:
         if self.own:
             lifeline.remove_folder(self.folder)

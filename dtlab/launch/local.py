@@ -53,7 +53,7 @@ _forkserver_ready = False
 _MAIN_LOCK = threading.Lock()
 
 
-def _context(start_method: str) -> mp.context.BaseContext:
+def context(start_method: str) -> mp.context.BaseContext:
     global _forkserver_ready
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method={start_method!r}: use 'forkserver' or 'spawn' (never fork a kernel)")
@@ -76,7 +76,7 @@ def shutdown() -> None:
 
 
 @contextlib.contextmanager
-def _main_not_reimported() -> Any:
+def main_not_reimported() -> Any:
     """Keep rank processes from re-running the caller's script.
 
     multiprocessing re-imports ``__main__`` in each child so that pickled
@@ -100,7 +100,7 @@ def _main_not_reimported() -> Any:
                     main.__dict__.pop("__spec__", None)
 
 
-def _loopback_store(world_size: int, timeout_s: float) -> Any:
+def loopback_store(world_size: int, timeout_s: float) -> Any:
     """A TCPStore listening on 127.0.0.1 only, on a port the OS picks.
 
     TCPStore binds every interface when given a port; handing it a socket we
@@ -120,7 +120,7 @@ def _loopback_store(world_size: int, timeout_s: float) -> Any:
     return store, port
 
 
-def _kill_all(procs: list[Any]) -> None:
+def kill_all(procs: list[Any]) -> None:
     for p in procs:
         if p.pid is not None and p.exitcode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -131,7 +131,7 @@ def _kill_all(procs: list[Any]) -> None:
         p.join(5)
 
 
-def _op_states(live: np.ndarray, world_size: int, finished: set[int]) -> list[OpState]:
+def op_states(live: np.ndarray, world_size: int, finished: set[int]) -> list[OpState]:
     now = time.time()
     states = []
     for r in range(world_size):
@@ -157,12 +157,14 @@ def read_text(path: str) -> str:
         return ""
 
 
-class _Ranks:
+class Ranks:
     """One local launch: its rank processes, what they sent home, and what went wrong.
 
     ``start`` the ranks, then ``wait`` (poll, watchdog, stop, deadline),
     ``teardown`` however that ended, and ``collect`` the result or the error.
     """
+
+    grace_s = _GRACE_S
 
     def __init__(self, ctx: mp.context.BaseContext, world_size: int, options: LaunchOptions) -> None:
         self.ctx, self.world_size, self.options = ctx, world_size, options
@@ -189,7 +191,7 @@ class _Ranks:
             p = self.ctx.Process(target=rank_main, name=f"dtlab-rank{r}", daemon=True,
                                  args=(payload, r, self.world_size, port, writer, self.live_buffer,
                                        self.log_paths[r], options, self.alive_r))
-            with _main_not_reimported():
+            with main_not_reimported():
                 p.start()
             writer.close()
             self.procs.append(p)
@@ -217,13 +219,16 @@ class _Ranks:
             except (EOFError, OSError):
                 del self.readers[conn]
                 continue
-            if kind == "ok":
-                self.results[rank] = cloudpickle.loads(body)
-            elif kind == "error":
-                self.failures[rank] = body.to_failure()
-                self.failures[rank].log_tail = tail_text(self.log_paths[rank])
-            elif kind == "progress":
-                self.bar.update(body)
+            self._handle(rank, kind, body)
+
+    def _handle(self, rank: int, kind: str, body: Any) -> None:
+        if kind == "ok":
+            self.results[rank] = cloudpickle.loads(body)
+        elif kind == "error":
+            self.failures[rank] = body.to_failure()
+            self.failures[rank].log_tail = tail_text(self.log_paths[rank])
+        elif kind == "progress":
+            self.bar.update(body)
 
     def _note_silent_deaths(self) -> None:
         """A rank that exited without a word (a signal, os._exit) and whose pipe has nothing left to read."""
@@ -237,7 +242,7 @@ class _Ranks:
     def _settled(self) -> bool:
         if self.failures:
             self.first_failure_at = self.first_failure_at or time.perf_counter()
-            if (time.perf_counter() - self.first_failure_at > _GRACE_S
+            if (time.perf_counter() - self.first_failure_at > self.grace_s
                     or len(self.failures) + len(self.results) == self.world_size):
                 return True
         return len(self.results) == self.world_size
@@ -245,7 +250,7 @@ class _Ranks:
     def _watchdog(self) -> bool:
         """A collective still in flight well after ``timeout_s``: the process group did not end it, so we do."""
         timeout_s = self.options.timeout_s
-        hung = [s for s in _op_states(self.live, self.world_size, set(self.results))
+        hung = [s for s in op_states(self.live, self.world_size, set(self.results))
                 if s.in_flight and s.since_s > timeout_s + _WATCHDOG_SLACK_S]
         if not hung or self.failures:
             return False
@@ -266,7 +271,7 @@ class _Ranks:
 
     # -- teardown and collect ---------------------------------------------------------
     def kill(self) -> None:
-        _kill_all(self.procs)
+        kill_all(self.procs)
 
     def ask_for_dumps(self, dumps: Dumps) -> None:
         """A failed launch: every rank still running (hung, or busy while the others timed out) dumps its
@@ -280,7 +285,7 @@ class _Ranks:
         self.alive_w.close()  # every rank process, even one whose pid never reached us, now exits
         self.alive_r.close()
         self.bar.close()
-        _kill_all(self.procs)
+        kill_all(self.procs)
         for conn in self.readers:
             conn.close()
         self.logs = {r: read_text(path) for r, path in enumerate(self.log_paths)}
@@ -290,7 +295,7 @@ class _Ranks:
     def collect(self, flight: dict[int, bytes]) -> LaunchResult:
         """The values in rank order, or the error that names the culprit first (with the ranks' dumps)."""
         if self.failures:
-            ops = _op_states(self.live, self.world_size, set(self.results))
+            ops = op_states(self.live, self.world_size, set(self.results))
             raise launch_error(list(self.failures.values()), ops, self.note, flight=flight)
         values = [self.results[r] for r in range(self.world_size)]
         return LaunchResult(values, self.logs, time.perf_counter() - self.started, flight=flight)
@@ -336,12 +341,12 @@ def launch(
     options = LaunchOptions(backend=backend, device=device, timeout_s=timeout_s, deadline_s=deadline_s,
                             progress=progress, record=record, env=env or {}, stop=stop,
                             flight_recorder=flight_recorder)
-    ctx = _context(start_method)
+    ctx = context(start_method)
     payload = _payload(fn, args)
     dumps = Dumps(options.flight_recorder)
     options = dataclasses.replace(options, env={**options.env, **dumps.env()})
-    store, port = _loopback_store(world_size, options.timeout_s)
-    ranks = _Ranks(ctx, world_size, options)
+    store, port = loopback_store(world_size, options.timeout_s)
+    ranks = Ranks(ctx, world_size, options)
     try:
         ranks.start(payload, port)
         ranks.wait()

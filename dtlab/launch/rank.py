@@ -42,14 +42,14 @@ def call_recorded(fn: Callable[..., Any], info: Any, args: tuple, record: bool, 
         recorder.stop()
 
 
-def _exit_with_launcher(alive: Any) -> None:
+def exit_with_launcher(alive: Any) -> None:
     """Block until the launch's liveness pipe closes, then end this rank at once."""
     with contextlib.suppress(EOFError, OSError):
         alive.recv()
     os._exit(1)
 
 
-def _redirect_output(log_path: str) -> None:
+def redirect_output(log_path: str) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)  # C++ warnings from gloo land in the rank's log too
@@ -58,7 +58,7 @@ def _redirect_output(log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def _set_environment(rank: int, world_size: int, port: int, options: RankOptions) -> None:
+def set_environment(rank: int, world_size: int, port: int, options: RankOptions) -> None:
     if options.gloo_ifname:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", options.gloo_ifname)  # gloo's own sockets stay on loopback
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -92,10 +92,10 @@ def rank_main(payload: bytes, rank: int, world_size: int, port: int, conn: Any, 
     lifeline.die_with_parent()
     # A rank the launcher cannot kill by pid (interrupted while starting it) still
     # ends: the launcher closes this pipe however the launch ends.
-    threading.Thread(target=_exit_with_launcher, args=(alive,), daemon=True).start()
-    _redirect_output(log_path)
+    threading.Thread(target=exit_with_launcher, args=(alive,), daemon=True).start()
+    redirect_output(log_path)
     progress.attach(conn, rank)
-    _set_environment(rank, world_size, port, options)
+    set_environment(rank, world_size, port, options)
     flight.arm(rank)  # with Flight Recorder on: dump when the launcher asks (a rank stuck anywhere)
     try:
         value = _run(payload, rank, world_size, port, live_buffer, options)

@@ -27,6 +27,7 @@ PHASE_COLORS = {
     "comm": "tab:red",
     "optimizer": "tab:green",
     "idle": "lightgray",
+    "cell": "gainsboro",  # a %%ranks cell's span on a rank: the collectives drawn beside it are what it waited in
 }
 
 
