@@ -15,9 +15,9 @@ from dtlab.cost.planner import validate as V
 SUMMARY = re.compile(r"^published runs: (\d+); median \|error\| ([\d.]+) %; worst ([+-][\d.]+) % \((row \d+: .+)\)$")
 GOOD = {"source": "a paper, Table 9", "model": "GPT 1.3B", "layers": "24", "hidden": "2048", "heads": "16",
         "kv_heads": "16", "ffn": "8192", "vocab": "50304", "seq": "2048", "experts": "0", "top_k": "0",
-        "gpu": "A100_80GB", "gpus": "16", "tp": "2", "pp": "1", "dp": "8", "cp": "1", "ep": "1", "interleave": "",
-        "zero": "1", "recompute": "selective", "micro_batch": "", "global_batch": "256", "precision": "bf16",
-        "metric": "tokens_per_s_per_gpu", "value": "20000"}
+        "mlp": "plain", "attention": "flash", "gpu": "A100_80GB", "gpus": "16", "tp": "2", "pp": "1", "dp": "8",
+        "cp": "1", "ep": "1", "interleave": "", "zero": "1", "recompute": "selective", "micro_batch": "",
+        "global_batch": "256", "precision": "bf16", "metric": "tokens_per_s_per_gpu", "value": "20000"}
 
 
 def _write(path, rows, header=R.SCHEMA):
@@ -43,9 +43,9 @@ def test_the_committed_table_meets_its_target(capsys):
 
 
 def test_any_csv_in_the_schema_is_predicted_at_its_layout(tmp_path):
-    fixed = {**GOOD, "micro_batch": "4", "metric": "mfu", "value": "0.5", "model": "GPT 1.3B [materialised attention]"}
+    fixed = {**GOOD, "micro_batch": "4", "metric": "mfu", "value": "0.5", "attention": "materialised"}
     runs = R.read_runs(_write(tmp_path / "runs.csv", [GOOD, fixed]))
-    assert runs[1].model.flash_attention is False and runs[1].model.name == "GPT 1.3B"
+    assert runs[1].model.flash_attention is False and runs[0].model.flash_attention is True
     assert runs[0].model.gated_mlp is False and runs[0].micro_batch is None
     free, pinned = V.predict(runs[0]), V.predict(runs[1])
     assert free["feasible"] and free["micro_batch"] in V.MICRO_BATCHES and pinned["micro_batch"] == 4
@@ -53,6 +53,18 @@ def test_any_csv_in_the_schema_is_predicted_at_its_layout(tmp_path):
     assert pinned["predicted"] == pytest.approx(pinned["mfu"]) and 0.2 < pinned["mfu"] < 0.8
     assert free["error"] == pytest.approx(free["tokens_per_s"] / 16 / 20000 - 1)
     assert V.main(["--runs", str(tmp_path / "runs.csv")]) == 0
+
+
+def test_the_attention_and_mlp_columns_change_the_prediction(tmp_path):
+    """Both switches are read from their columns (never from a name), and each changes the time predicted."""
+    pinned = {**GOOD, "micro_batch": "4"}
+    rows = [pinned, {**pinned, "attention": "materialised"}, {**pinned, "mlp": "gated"},
+            {**pinned, "model": "GPT 1.3B [materialised attention]"}]
+    runs = R.read_runs(_write(tmp_path / "runs.csv", rows))
+    flash, materialised, gated, named = (V.predict(run)["predicted"] for run in runs)
+    assert materialised < 0.95 * flash  # the s x s scores' traffic costs time at a sequence of 2,048
+    assert gated != pytest.approx(flash, rel=0.02)  # a third MLP matrix
+    assert named == flash and runs[3].model.flash_attention  # a name is a name
 
 
 @pytest.mark.parametrize("column,value,why", [
@@ -67,6 +79,9 @@ def test_any_csv_in_the_schema_is_predicted_at_its_layout(tmp_path):
     ("zero", "4", "is not a ZeRO stage 0-3"),
     ("micro_batch", "0", "is not an integer >= 1"),
     ("source", "", "is empty"),
+    ("attention", "fused", "is not one of flash, materialised"),
+    ("mlp", "", "is empty"),
+    ("mlp", "swiglu", "is not one of gated, plain"),
 ])
 def test_a_malformed_csv_is_one_line_naming_row_and_column(tmp_path, capsys, column, value, why):
     path = _write(tmp_path / "bad.csv", [GOOD, {**GOOD, column: value}])
@@ -84,7 +99,7 @@ def test_a_malformed_header_or_row_shape_is_named(tmp_path):
         R.read_runs(_write(tmp_path / "a.csv", [], header=R.SCHEMA[:-1]))
     with pytest.raises(ValueError, match="header: column speed is not in the schema"):
         R.read_runs(_write(tmp_path / "b.csv", [], header=(*R.SCHEMA, "speed")))
-    with pytest.raises(ValueError, match=r"row 1 \(line 2\): 25 columns where the schema has 26"):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): 27 columns where the schema has 28"):
         R.read_runs(_write(tmp_path / "c.csv", [[GOOD[c] for c in R.SCHEMA[:-1]]]))
     with pytest.raises(ValueError, match="no runs"):
         R.read_runs(_write(tmp_path / "d.csv", []))
