@@ -44,7 +44,7 @@ KERNEL_OVERHEAD_S = 4e-6
 # data/published_runs.csv on its die, no row of the other (planner.fit; `python -m dtlab.cost.planner.validate
 # --fit` prints them); the validation predicts each source with both refitted without it (docs/measurement.md,
 # "The planner"). The H200 is the H100's die with more memory: it takes the H100's.
-SUSTAINED: dict[str, float] = {"A100": 0.749, "H100": 0.749}
+SUSTAINED: dict[str, float] = {"A100": 0.77, "H100": 0.594}
 DIES = {"A100_80GB": "A100", "H100_SXM": "H100", "H200_SXM": "H100"}  # preset -> the die whose constant it takes
 
 _DATASHEET_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
