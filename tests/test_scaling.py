@@ -173,3 +173,22 @@ def test_critical_batch_draws_the_predicted_lines_the_runs_and_the_critical_poin
     comm = next(c for c in ax.collections if c.get_label() == "all-reduces, measured")
     assert comm.get_offsets().ravel().tolist() == pytest.approx([25, 4.0, 400, 3.0])
     assert_png(fig, tmp_path / "critical.png")
+
+
+def test_predicted_against_published_draws_a_point_per_scored_run_in_each_panel(tmp_path):
+    table = pd.DataFrame({"source": ["a", "a", "b", "c"], "gpu": ["A100_80GB", "H100_SXM", "A100_80GB", "H100_SXM"],
+                          "mfu_published": [0.40, 0.50, 0.30, 0.45], "mfu_predicted": [0.44, 0.40, 0.33, np.nan],
+                          "mfu_predicted_in_sample": [0.41, 0.48, 0.31, np.nan]})
+    fig = plots.predicted_against_published(table)
+    left, right = fig.axes[:2]
+    for ax, column in ((left, "mfu_predicted"), (right, "mfu_predicted_in_sample")):
+        drawn = sorted((round(x, 6), round(y, 6)) for c in ax.collections for x, y in c.get_offsets())
+        assert drawn == sorted((round(100 * p, 6), round(100 * q, 6)) for p, q in
+                               zip(table["mfu_published"][:3], table[column][:3], strict=True))
+    assert left.get_title().startswith("leave-one-source-out: median |error| 10.0 %, worst 20.0 % (3 runs)")
+    assert right.get_title().startswith("in-sample:")
+    assert "c (not scored)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(plots.predicted_against_published(table.drop(columns="mfu_predicted_in_sample")).axes) == 1
+    assert_png(fig, tmp_path / "against.png")
+    with pytest.raises(ValueError, match="missing column"):
+        plots.predicted_against_published(table.drop(columns="gpu"))

@@ -62,7 +62,7 @@ def published_scaling(frame: pd.DataFrame, families: Sequence[str] | None = None
     return fig
 
 
-def _against(ax, frame: pd.DataFrame, column: str, colours: dict, markers: dict, top: float) -> None:
+def _against(ax, frame: pd.DataFrame, column: str, colours: dict, markers: dict, low: float, top: float) -> None:
     scored = frame[frame[column].notna()]
     for row in scored.itertuples(index=False):
         ax.scatter([100 * row.mfu_published], [100 * getattr(row, column)], marker=markers[row.gpu], s=22,
@@ -73,7 +73,7 @@ def _against(ax, frame: pd.DataFrame, column: str, colours: dict, markers: dict,
         ax.plot(line, line * (1 + band), style, color="0.5", lw=0.8)
         ax.plot(line, line * (1 - band), style, color="0.5", lw=0.8)
     errors = (scored[column] / scored["mfu_published"] - 1).abs()
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="published MFU (%)", aspect="equal")
+    ax.set(xlim=(low, top), ylim=(low, top), xlabel="published MFU (%)", aspect="equal")
     ax.set_title(f"median |error| {100 * errors.median():.1f} %, worst {100 * errors.max():.1f} % "
                  f"({len(scored)} runs)", fontsize=8)
     ax.grid(alpha=0.3)
@@ -93,19 +93,21 @@ def predicted_against_published(frame: pd.DataFrame, panels: dict[str, str] | No
     require(frame, ("source", "gpu", "mfu_published", *panels.values()), "validated runs")
     colours = {s: TIER_PALETTE[i % len(TIER_PALETTE)] for i, s in enumerate(dict.fromkeys(frame["source"]))}
     markers = {g: GPU_MARKERS[i % len(GPU_MARKERS)] for i, g in enumerate(dict.fromkeys(frame["gpu"]))}
-    top = 100 * 1.15 * np.nanmax(frame[["mfu_published", *panels.values()]].to_numpy(dtype=float))
-    fig = Figure(figsize=(WIDTH, 4.6), layout="constrained")
+    values = 100 * frame[["mfu_published", *panels.values()]].to_numpy(dtype=float)
+    low, top = 0.8 * np.nanmin(values), 1.1 * np.nanmax(values)
+    fig = Figure(figsize=(WIDTH, 4.8), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (heading, column) in zip(axes, panels.items(), strict=True):
-        _against(ax, frame, column, colours, markers, top)
+        _against(ax, frame, column, colours, markers, low, top)
         ax.set_title(f"{heading}: " + ax.get_title(), fontsize=8)
     axes[0].set_ylabel("predicted MFU (%)")
+    scored = set(frame.loc[frame[next(iter(panels.values()))].notna(), "source"])
     for source, colour in colours.items():
-        axes[0].scatter([], [], color=colour, s=22, label=source)
+        axes[0].scatter([], [], color=colour, s=22, label=source + ("" if source in scored else " (not scored)"))
     for gpu, marker in markers.items():
         axes[0].scatter([], [], marker=marker, color="0.4", s=22, label=gpu)
     fig.suptitle(title)
-    bottom_legend(fig, axes[0], max_cols=4)
+    bottom_legend(fig, axes[0], max_cols=3)
     return fig
 
 
