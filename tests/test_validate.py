@@ -58,6 +58,16 @@ def test_the_committed_table_is_validated_out_of_sample_first(committed):
     assert (out / "planner_validation.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.xfail(strict=True, reason="not met: out of sample the H100 runs borrow the A100's constant, small models "
+                                       "and the GPU count's costs are missed (docs/measurement.md, 'The planner')")
+def test_the_out_of_sample_targets(committed):
+    """The targets set for the planner: leave-one-source-out median |error| <= 8 %, worst <= 20 %. Recorded as
+    failing, not loosened: a model that meets them turns this test red until the marker goes."""
+    lines, _, _ = committed
+    loso = SUMMARY.match(lines[0].split(": ", 1)[1])
+    assert float(loso[2]) <= 8.0 and abs(float(loso[3])) <= 20.0
+
+
 def test_the_docs_show_what_the_command_writes(committed):
     """docs/figures/planner_validation.csv is this command's output on the committed table, number for number."""
     _, frame, _ = committed

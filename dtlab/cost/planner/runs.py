@@ -10,7 +10,7 @@ One row per run, these columns in this order (``SCHEMA``)::
 softmaxed and read back: Megatron-LM before 2022, before FlashAttention); ``gpu`` a cluster preset's
 GPU (``A100_80GB``, ``H100_SXM``, ``H200_SXM``), whose preset also gives the network; ``recompute``
 none, selective or full; ``micro_batch`` and ``interleave`` may be empty (the source did not publish
-them: ``planner.predict`` then takes what the planner would advise, its fastest choice that fits, and
+them: ``planner.prediction.predict`` then takes what the planner would advise, its fastest choice that fits, and
 gives the range over every choice that fits); ``precision`` bf16, fp16 (the same 16-bit mixed
 precision to the planner) or fp32; ``metric`` one of ``METRICS`` and ``value`` the published figure
 (``mfu`` as a fraction). Every switch the step model branches on is a column: nothing is read from a
