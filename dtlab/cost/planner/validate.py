@@ -61,9 +61,9 @@ def compact(rows: Sequence[int]) -> str:
 
 def _layout(run: Run, p: dict[str, Any]) -> str:
     lay = run.layout
-    text = (f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" cp{lay.cp}" if lay.cp > 1 else "")
-            + f" z{lay.zero} {lay.checkpointing} b{p['micro_batch']}" + (f" v{p['interleave']}" if p["interleave"] > 1
-                                                                          else ""))
+    text = f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" cp{lay.cp}" if lay.cp > 1 else "")
+    text += f" z{lay.zero} {lay.checkpointing} b{p['micro_batch']}" + (f" v{p['interleave']}" if p["interleave"] > 1
+                                                                        else "")
     if unpublished(run):
         text += f" ({p['feasible_count']} of {p['candidates']} fit)"
     return text
