@@ -23,7 +23,7 @@ def test_peaks_and_bandwidths_are_the_datasheets():
 
 def test_a_large_gemm_reaches_the_sustained_mamf_and_a_small_one_far_less():
     a100 = devices.A100_80GB
-    ceiling = 267.9 / 312 * devices.SUSTAINED
+    ceiling = 267.9 / 312 * devices.SUSTAINED["A100"]
     big = a100.gemm_efficiency(8192, 8192, 8192, "bf16")
     assert 0.95 * ceiling < big <= ceiling
     assert a100.gemm_efficiency(512, 512, 512, "bf16") < big / 3  # the kernel's fixed cost and few tiles
@@ -59,3 +59,16 @@ def test_attention_ops_time_their_executed_flops_on_the_attention_curve():
     with pytest.raises(ValueError, match="kind='conv' is invalid"):
         Op("x", "conv", 1.0, 1.0)
     assert GEMM in (gemm("mm", 2, 2, 2).kind,)
+
+
+def test_each_die_reads_its_own_fitted_constant_when_called(monkeypatch):
+    """A fit moves one die's constant; the other die's GPUs do not move, and the H200 follows the H100."""
+    shape = (8192, 8192, 8192, "bf16")
+    before = {name: device.gemm_efficiency(*shape) for name, device in devices.DEVICES.items()}
+    monkeypatch.setitem(devices.SUSTAINED, "H100", devices.SUSTAINED["H100"] / 2)
+    assert devices.A100_80GB.gemm_efficiency(*shape) == before["A100_80GB"]
+    for name in ("H100_SXM", "H200_SXM"):
+        assert devices.DEVICES[name].gemm_efficiency(*shape) == pytest.approx(before[name] / 2, rel=0.01)
+    assert devices.H100_SXM.attention_efficiency(4096, 4096, 128, "bf16") == pytest.approx(
+        0.35 * devices.SUSTAINED["H100"])
+    assert set(devices.DIES.values()) == set(devices.SUSTAINED) and set(devices.DIES) == set(devices.DEVICES)

@@ -24,7 +24,8 @@ from tests.test_plots import assert_png, titles
 @pytest.fixture(scope="module")
 def frame():
     runs = read_runs(DEFAULT_RUNS)
-    return scaling.published_frame([runs[0], runs[9], runs[14], runs[17]])  # dp, tp + pp (A100, H100), FSDP
+    # dp, tp + pp (A100; H100, not scored), FSDP; the committed constants (out of sample: tests/test_validate.py)
+    return scaling.published_frame([runs[0], runs[9], runs[14], runs[50]], out_of_sample=False)
 
 
 def test_families_sort_layouts_by_what_they_split():
@@ -38,7 +39,9 @@ def test_published_runs_share_one_scale_and_a_step_adds_up(frame):
     assert list(frame["model"]) == ["GPT 1.7B", "GPT 1008B", "Llama 3 405B", "MPT-1B"]
     # every metric is proportional to throughput: the published MFU is the predicted one times published / predicted
     assert list(frame["mfu_published"] / frame["mfu_predicted"]) == pytest.approx(
-        list(frame["published"] / frame["predicted"]))
+        list(frame["published"] / frame["predicted"]), nan_ok=True)
+    assert list(frame["scored"]) == [True, True, False, True]  # Llama 3: no micro-batch and interleave fits
+    assert frame["mfu_predicted"].isna().tolist() == [False, False, True, False]
     assert list(frame["replica_tokens"]) == [512 * 2048 // 32, 3072 * 2048 // 6, 2048 * 8192 // 64, 448 * 2048 // 8]
     one_t = frame.iloc[1]
     assert one_t["metric"] == "tflops_per_gpu_hw" and one_t["hfu_published"] == pytest.approx(163 / 312)
@@ -150,9 +153,10 @@ def test_published_scaling_draws_each_family_side_by_side(frame, tmp_path):
     fig = plots.published_scaling(frame)
     assert titles(fig)[1:] == ["data parallel, FSDP (2 runs)", "tensor + pipeline parallel (2 runs)"]
     drawn = {(round(x), round(y, 6)) for c in fig.axes[1].collections for x, y in c.get_offsets()}
-    pipelined = frame.iloc[1:3]
+    pipelined = frame.iloc[1:3]  # the second (Llama 3) is not scored: its published point alone
     assert drawn == {(g, round(100 * v, 6)) for g, a, b in zip(pipelined["gpus"], pipelined["mfu_published"],
-                                                              pipelined["mfu_predicted"], strict=True) for v in (a, b)}
+                                                              pipelined["mfu_predicted"], strict=True)
+                     for v in (a, b) if v == v}
     assert_png(fig, tmp_path / "scaling.png")
     with pytest.raises(ValueError, match="missing column"):
         plots.published_scaling(frame.drop(columns="mfu_predicted"))
@@ -169,3 +173,22 @@ def test_critical_batch_draws_the_predicted_lines_the_runs_and_the_critical_poin
     comm = next(c for c in ax.collections if c.get_label() == "all-reduces, measured")
     assert comm.get_offsets().ravel().tolist() == pytest.approx([25, 4.0, 400, 3.0])
     assert_png(fig, tmp_path / "critical.png")
+
+
+def test_predicted_against_published_draws_a_point_per_scored_run_in_each_panel(tmp_path):
+    table = pd.DataFrame({"source": ["a", "a", "b", "c"], "gpu": ["A100_80GB", "H100_SXM", "A100_80GB", "H100_SXM"],
+                          "mfu_published": [0.40, 0.50, 0.30, 0.45], "mfu_predicted": [0.44, 0.40, 0.33, np.nan],
+                          "mfu_predicted_in_sample": [0.41, 0.48, 0.31, np.nan]})
+    fig = plots.predicted_against_published(table)
+    left, right = fig.axes[:2]
+    for ax, column in ((left, "mfu_predicted"), (right, "mfu_predicted_in_sample")):
+        drawn = sorted((round(x, 6), round(y, 6)) for c in ax.collections for x, y in c.get_offsets())
+        assert drawn == sorted((round(100 * p, 6), round(100 * q, 6)) for p, q in
+                               zip(table["mfu_published"][:3], table[column][:3], strict=True))
+    assert left.get_title().startswith("leave-one-source-out: median |error| 10.0 %, worst 20.0 % (3 runs)")
+    assert right.get_title().startswith("in-sample:")
+    assert "c (not scored)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(plots.predicted_against_published(table.drop(columns="mfu_predicted_in_sample")).axes) == 1
+    assert_png(fig, tmp_path / "against.png")
+    with pytest.raises(ValueError, match="missing column"):
+        plots.predicted_against_published(table.drop(columns="gpu"))

@@ -43,6 +43,7 @@ DILOCO_SWEEP = "python benchmarks/diloco_link.py --sweep"
 FT_RECOVERY = "python benchmarks/ft_recovery.py"
 ROOFLINE = "python -m dtlab.cost.roofline"
 GOODPUT = "python -m dtlab.experiments.goodput"  # writes into results/goodput
+PLANNER = "python -m dtlab.cost.planner.validate --out results/planner"
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
@@ -73,6 +74,8 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/ft_recovery_parts.csv": Figure(FT_RECOVERY, "results/bench/ft_recovery_parts.csv"),
     "docs/figures/goodput.png": Figure(GOODPUT, "results/goodput/goodput.png"),
     "docs/figures/goodput.csv": Figure(GOODPUT, "results/goodput/goodput.csv"),
+    "docs/figures/planner_validation.png": Figure(PLANNER, "results/planner/planner_validation.png"),
+    "docs/figures/planner_validation.csv": Figure(PLANNER, "results/planner/planner_validation.csv"),
 }
 
 

@@ -19,7 +19,7 @@ from dtlab.plots.placement import (
 )
 from dtlab.plots.quantised import bytes_vs_drift
 from dtlab.plots.runs import gantt, loss_curves, memory_breakdown, speedup, step_breakdown, timeline
-from dtlab.plots.scaling import critical_batch, published_scaling
+from dtlab.plots.scaling import critical_batch, predicted_against_published, published_scaling
 from dtlab.plots.sequence import (
     activations_saved,
     attention_work,
@@ -36,4 +36,5 @@ __all__ = ["LINESTYLES", "MEMORY_COLORS", "PHASE_COLORS", "TIER_PALETTE", "WIDTH
            "memory_breakdown", "pipeline_schedule", "predicted_vs_measured", "save", "speedup", "speedup_curve",
            "stage_placements", "step_breakdown", "sweep", "timeline", "weight_placements", "loss_vs_time",
            "replica_timeline", "activations_saved", "attention_work", "calls_by_tag", "checkpointing",
-           "comm_vs_width", "cp_bytes", "ring_messages", "critical_batch", "published_scaling", "bytes_vs_drift"]
+           "comm_vs_width", "cp_bytes", "ring_messages", "critical_batch", "published_scaling",
+           "predicted_against_published", "bytes_vs_drift"]

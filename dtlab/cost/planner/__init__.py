@@ -11,7 +11,10 @@ Pure arithmetic on published figures (``clusters``, and the GPUs in
 ``ops`` lists a step's operations, ``step`` times them on the GPU's roofline with
 each strategy's communication and bubble (``overlap``, ``network``), ``memory``
 counts the bytes, ``search`` enumerates the layouts. ``validate`` holds the whole
-model against published runs (``python -m dtlab.cost.planner.validate``).
+model against published runs (``python -m dtlab.cost.planner.validate``): ``runs`` reads
+them, ``prediction`` predicts one as the planner would advise where the source left a
+choice open, ``fit`` fits the constants and predicts each source with them refitted
+without it.
 Nothing here starts a process: the app layer (``dtlab.widgets.planner``) runs the
 scaled-down job.
 """

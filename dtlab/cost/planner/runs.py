@@ -2,17 +2,19 @@
 
 One row per run, these columns in this order (``SCHEMA``)::
 
-    source,model,layers,hidden,heads,kv_heads,ffn,vocab,seq,experts,top_k,gpu,gpus,tp,pp,dp,cp,ep,
-    interleave,zero,recompute,micro_batch,global_batch,precision,metric,value
+    source,model,layers,hidden,heads,kv_heads,ffn,vocab,seq,experts,top_k,mlp,attention,gpu,gpus,tp,pp,dp,
+    cp,ep,interleave,zero,recompute,micro_batch,global_batch,precision,metric,value
 
-``gpu`` is a cluster preset's GPU (``A100_80GB``, ``H100_SXM``, ``H200_SXM``); ``experts`` is 0 for a
-dense model; ``recompute`` none, selective or full; ``micro_batch`` and ``interleave`` may be empty
-(the source did not publish them: the planner then takes its best that fits); ``precision`` bf16, fp16
-(the same 16-bit mixed precision to the planner) or fp32; ``metric`` one of ``METRICS`` and ``value``
-the published figure (``mfu`` as a fraction). Two facts the schema has no column for: the MLP is
-gated (SwiGLU, three matrices) unless ``ffn = 4 x hidden`` (GPT's two-matrix MLP), and attention is a
-flash attention unless the ``model`` name ends in ``[materialised attention]`` (the run wrote its
-``s x s`` scores to memory: Megatron-LM before 2022, before FlashAttention).
+``experts`` is 0 for a dense model; ``mlp`` gated (SwiGLU: three matrices) or plain (two, GPT's);
+``attention`` flash (the ``s x s`` scores never leave the chip) or materialised (written to memory,
+softmaxed and read back: Megatron-LM before 2022, before FlashAttention); ``gpu`` a cluster preset's
+GPU (``A100_80GB``, ``H100_SXM``, ``H200_SXM``), whose preset also gives the network; ``recompute``
+none, selective or full; ``micro_batch`` and ``interleave`` may be empty (the source did not publish
+them: ``planner.prediction.predict`` then takes what the planner would advise, its fastest choice that fits, and
+gives the range over every choice that fits); ``precision`` bf16, fp16 (the same 16-bit mixed
+precision to the planner) or fp32; ``metric`` one of ``METRICS`` and ``value`` the published figure
+(``mfu`` as a fraction). Every switch the step model branches on is a column: nothing is read from a
+name.
 
 ``read_runs(path)`` returns the rows as ``Run`` objects, or raises ValueError in one line naming the
 row and the column of the first bad value.
@@ -29,12 +31,13 @@ from dtlab.cost.planner.clusters import BY_GPU, Cluster, by_gpu
 from dtlab.cost.planner.layout import Layout
 from dtlab.cost.planner.transformer import RECOMPUTE, TransformerSpec
 
-__all__ = ["MATERIALISED", "METRICS", "PRECISIONS", "SCHEMA", "Run", "read_runs"]
+__all__ = ["ATTENTION", "METRICS", "MLPS", "PRECISIONS", "SCHEMA", "Run", "read_runs"]
 
 SCHEMA = ("source", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k",
-          "gpu", "gpus", "tp", "pp", "dp", "cp", "ep", "interleave", "zero", "recompute", "micro_batch",
-          "global_batch", "precision", "metric", "value")
-MATERIALISED = "[materialised attention]"
+          "mlp", "attention", "gpu", "gpus", "tp", "pp", "dp", "cp", "ep", "interleave", "zero", "recompute",
+          "micro_batch", "global_batch", "precision", "metric", "value")
+MLPS = {"gated": True, "plain": False}  # -> TransformerSpec.gated_mlp
+ATTENTION = {"flash": True, "materialised": False}  # -> TransformerSpec.flash_attention
 METRICS = ("tflops_per_gpu_hw", "tflops_per_gpu_model", "tokens_per_s_per_gpu", "mfu")
 PRECISIONS = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
 _POSITIVE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "gpus", "tp", "pp", "dp", "cp", "ep",
@@ -107,12 +110,11 @@ def _spec(row: _Row) -> TransformerSpec:
     experts, top_k = row.integer("experts", 0), row.integer("top_k", 0)
     if experts == 1:
         raise row.fail("experts", "is 1: write 0 for a dense model, or the number of experts (>= 2)")
-    name = row.text("model")
-    flash = not name.endswith(MATERIALISED)
+    gated, flash = MLPS[row.text("mlp", tuple(MLPS))], ATTENTION[row.text("attention", tuple(ATTENTION))]
     try:
-        return TransformerSpec(name.removesuffix(MATERIALISED).strip() or name, **ints,  # type: ignore[arg-type]
-                               gated_mlp=ints["ffn"] != 4 * ints["hidden"], experts=max(1, experts or 1),
-                               top_k=max(1, top_k or 1), flash_attention=flash)
+        return TransformerSpec(row.text("model"), **ints,  # type: ignore[arg-type]
+                               gated_mlp=gated, experts=max(1, experts or 1), top_k=max(1, top_k or 1),
+                               flash_attention=flash)
     except ValueError as exc:  # the spec names its own field; the column has the same name
         column = str(exc).split("TransformerSpec.", 1)[-1].split("=", 1)[0]
         raise row.fail(column if column in SCHEMA else "model", f"is invalid ({exc})") from None

@@ -107,9 +107,10 @@ def assumptions(model: TransformerSpec, cluster: Cluster, gpus: int, global_batc
         "compute: every op of a step (QKV, attention output, MLP and vocabulary GEMMs; flash attention; norms, "
         "activations, residual adds, the loss; Adam over the GPU's shard) timed on the GPU's roofline: a GEMM at "
         "the MAMF asymptote times tile and wave quantisation of its shape, less a fixed kernel cost, times one "
-        "fitted factor for sustained training (roofline.devices.SUSTAINED); memory-bound ops at the HBM bandwidth; "
-        "fp32 runs on the fp32 peak (no TF32); full recomputation replays every block's forward, selective the "
-        "attention core; MFU and HFU come out of the step time, never assumed; data loading is not counted",
+        "fitted factor per GPU die for sustained training (roofline.devices.SUSTAINED); memory-bound ops at the HBM "
+        "bandwidth; fp32 runs on the fp32 peak (no TF32); full recomputation replays every block's forward, "
+        "selective the attention core; MFU and HFU come out of the step time, never assumed; data loading is not "
+        "counted",
         "pipeline: 1F1B, or interleaved with 2 chunks per GPU; bubble (pp - 1) x one micro-batch on the slowest "
         "stage (/ v interleaved; (t_F + t_B - t_W) for zero bubble) (Narayanan et al. 2021; Qi et al. 2023); each "
         "micro-batch's activation and its gradient cross a stage boundary on the critical path, not overlapped",

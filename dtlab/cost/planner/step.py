@@ -47,7 +47,9 @@ _PHASES: dict[tuple[Any, ...], tuple[Device, Phases]] = {}  # a search times eac
 
 def phases(model: TransformerSpec, layout: Layout, device: Device, *, first: bool, last: bool) -> Phases:
     """The roofline's seconds for one micro-batch on a stage, by phase (the ops do not depend on dp or ZeRO)."""
-    key = (id(device), devices.SUSTAINED, model, dataclasses.replace(layout, dp=1, zero=0), first, last)
+    # the fitted constants are part of the key: a fit times the same stage at several values
+    key = (id(device), tuple(sorted(devices.SUSTAINED.items())), model, dataclasses.replace(layout, dp=1, zero=0),
+           first, last)
     if key in _PHASES and _PHASES[key][0] is device:
         return _PHASES[key][1]
     if len(_PHASES) > 4096:

@@ -1,164 +1,199 @@
-"""The planner against published training runs: ``python -m dtlab.cost.planner.validate [--runs FILE]``.
+"""The planner against published runs: ``python -m dtlab.cost.planner.validate [--runs FILE] [--fit] [--out DIR]``.
 
-Each row of the CSV (``planner.runs.SCHEMA``; ``data/published_runs.csv`` by default) is predicted at its
-published layout — not the search's best — with the same model for every row: where the source left the
-micro-batch or the interleaving out, the planner takes its fastest choice that fits in memory. It prints
-one line per run (published, predicted, error) and a median per source, and ends with exactly one line::
+Each row of ``data/published_runs.csv`` (``planner.runs.SCHEMA``) is predicted at its published layout — not
+the search's best — by the same model; what the source left unpublished is chosen as the planner would
+advise (``planner.prediction``). The constants fitted to runs (``roofline.devices.SUSTAINED``, one per die)
+are fitted as ``planner.fit`` says. Without ``--runs`` it prints, first, two labelled summary lines::
+
+    leave-one-source-out (...): published runs: N; median |error| X %; worst Y % (ROW)
+    in-sample (...): published runs: N; median |error| X %; worst Y % (ROW)
+
+— the first the headline: each source predicted with every constant refitted without it — then the
+constants and the rows each was fitted on, a line per run (published, predicted, the range over the choices
+the source left open, the errors) and each source's median. ``--runs FILE`` predicts another table's rows
+with the committed constants (never refitted on FILE) and ends with exactly one line::
 
     published runs: N; median |error| X %; worst Y % (ROW)
 
-``predict(run)`` and ``validate(runs)`` do the same without printing (notebooks, tests).
-
-The model's one constant fitted to training runs, ``roofline.devices.SUSTAINED`` (the share of its best
-GEMM rate a GPU keeps inside a training step), is fitted by ``fit_sustained(runs, source)``: the value
-at which the median signed error over that source's rows is zero (``--fit SOURCE`` prints it; the
-committed value comes from ``--fit "Narayanan et al. 2021"``, every other source held out).
+Rows the planner cannot score (unpublished choices, none of which fits) are listed, not counted. ``--fit``
+prints the constants fitted on the table and stops; ``--out DIR`` also writes ``planner_validation.csv`` (a
+row per run) and ``planner_validation.png`` (predicted against published, by source). ``validate(runs)``
+and ``summary(table)`` do the same without printing.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
+import math
 import os
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from dtlab.cost.planner.layout import check_layout
+from dtlab.cost.planner.fit import Fold, fit, in_sample, out_of_sample, source_of
+from dtlab.cost.planner.prediction import predict, unpublished
 from dtlab.cost.planner.runs import Run, read_runs
-from dtlab.cost.planner.search import evaluate
 from dtlab.cost.roofline import devices
+from dtlab.plots import save
+from dtlab.plots.scaling import predicted_against_published
 
-__all__ = ["DEFAULT_RUNS", "MICRO_BATCHES", "fit_sustained", "main", "predict", "summary", "sustained", "validate"]
+__all__ = ["DEFAULT_RUNS", "compact", "main", "predict", "summary", "table", "validate"]
 
 DEFAULT_RUNS = Path(__file__).resolve().parents[3] / "data" / "published_runs.csv"
-MICRO_BATCHES = (1, 2, 4, 8, 16)  # tried where a run does not publish its micro-batch
-INTERLEAVES = (1, 2, 3, 4, 5, 6, 8)  # model chunks per GPU tried where a pipelined run does not publish them
+LOSO = "leave-one-source-out (each source predicted with the constants refitted without it)"
+IN_SAMPLE = "in-sample (the constants fitted on every row, these rows included)"
 
 
-def _candidates(run: Run) -> list[tuple[int, int]]:
-    micro = [run.micro_batch] if run.micro_batch else [b for b in MICRO_BATCHES
-                                                       if run.global_batch % (run.layout.dp * b) == 0]
-    if run.interleave:
-        chunks = [run.interleave]
-    elif run.layout.pp == 1:
-        chunks = [1]
-    else:
-        chunks = [v for v in INTERLEAVES if run.layout.stage_layers(run.model.layers) % v == 0]
-    return [(b, v) for b in micro for v in chunks]
+def compact(rows: Sequence[int]) -> str:
+    """Row numbers as ranges: ``1-14, 18, 20-77``."""
+    out: list[str] = []
+    for row in sorted(rows):
+        if out and out[-1].rsplit("-", 1)[-1] == str(row - 1):
+            out[-1] = out[-1].split("-")[0] + f"-{row}"
+        else:
+            out.append(str(row))
+    return ", ".join(out)
 
 
-def predict(run: Run) -> dict[str, Any]:
-    """The planner's row for ``run`` at its published layout, with ``predicted`` (the run's metric) and ``error``
-    (predicted over published, less one). ValueError naming the run if its published layout cannot run."""
-    rows = []
-    for b, v in _candidates(run):
-        layout = dataclasses.replace(run.layout, micro_batch=b, interleave=v,
-                                     schedule="interleaved" if v > 1 else "1f1b")
-        try:
-            check_layout(run.model, run.cluster, layout, run.global_batch)
-        except ValueError as exc:
-            if run.micro_batch and run.interleave:
-                raise ValueError(f"{run.label}: {exc}") from None
-            continue
-        rows.append(evaluate(run.model, run.cluster, layout, run.global_batch))
-    if not rows:
-        raise ValueError(f"{run.label}: no micro-batch of {MICRO_BATCHES} divides global_batch={run.global_batch} "
-                         f"over dp={run.layout.dp} with a valid pipeline schedule")
-    fits = [r for r in rows if r["feasible"]]
-    row = min(fits or rows, key=lambda r: r["step_s"])
-    peak = run.cluster.device.peak("bf16" if run.layout.precision == "bf16" else "fp32")
-    predicted = {"tokens_per_s_per_gpu": row["tokens_per_s"] / run.gpus, "mfu": row["mfu"],
-                 "tflops_per_gpu_model": row["mfu"] * peak / 1e12,
-                 "tflops_per_gpu_hw": row["hfu"] * peak / 1e12}[run.metric]
-    return {**row, "predicted": predicted, "published": run.value, "error": predicted / run.value - 1,
-            "fits": bool(fits)}
+def _layout(run: Run, p: dict[str, Any]) -> str:
+    lay = run.layout
+    text = f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" cp{lay.cp}" if lay.cp > 1 else "")
+    text += f" z{lay.zero} {lay.checkpointing} b{p['micro_batch']}" + (f" v{p['interleave']}" if p["interleave"] > 1
+                                                                        else "")
+    if unpublished(run):
+        text += f" ({p['feasible_count']} of {p['candidates']} fit)"
+    return text
 
 
-def validate(runs: Sequence[Run]) -> pd.DataFrame:
-    """One row per run: where it comes from, its layout, published and predicted values, the error."""
+def table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One line per run from ``predict``'s rows (each with its ``run``): where it comes from, its layout, published
+    and predicted values, the range over the choices left open, the error, whether it is scored."""
     out = []
-    for run in runs:
-        p = predict(run)
-        layout = (f"tp{run.layout.tp} pp{run.layout.pp} dp{run.layout.dp}" + (f" cp{run.layout.cp}" if run.layout.cp
-                                                                               > 1 else "")
-                  + f" z{run.layout.zero} {run.layout.checkpointing} b{p['micro_batch']}"
-                  + (f" v{p['interleave']}" if p["interleave"] > 1 else ""))
-        out.append({"row": run.index, "source": run.source.split(",")[0], "model": run.model.name,
-                    "gpus": f"{run.gpus} x {run.gpu}", "layout": layout + ("" if p["fits"] else " (no fit)"),
-                    "metric": run.metric, "published": run.value, "predicted": p["predicted"],
-                    "error": p["error"], "label": run.label})
+    for p in rows:
+        run: Run = p["run"]
+        out.append({"row": run.index, "source": source_of(run), "model": run.model.name, "seq": run.model.seq,
+                    "gpus": run.gpus, "gpu": run.gpu, "layout": _layout(run, p), "metric": run.metric,
+                    "published": run.value, "predicted": p["predicted"], "low": p["low"], "high": p["high"],
+                    "error": p["error"], "scored": p["scored"], "fits": p["fits"], "note": p["note"],
+                    "mfu_published": p["mfu_published"], "mfu_predicted": p["mfu"] if p["scored"] else math.nan,
+                    "label": run.label})
     return pd.DataFrame(out)
 
 
-def summary(table: pd.DataFrame) -> str:
-    """``published runs: N; median |error| X %; worst Y % (ROW)``."""
-    errors = table["error"].abs()
-    worst = table.loc[errors.idxmax()]
-    return (f"published runs: {len(table)}; median |error| {100 * statistics.median(errors):.1f} %; "
-            f"worst {100 * worst['error']:+.1f} % ({worst['label']})")
+def validate(runs: Sequence[Run]) -> pd.DataFrame:
+    """Every run predicted with the constants as they are (the committed ones), one line each (``table``)."""
+    return table([{**predict(run), "run": run} for run in runs])
 
 
-@contextlib.contextmanager
-def sustained(value: float) -> Iterator[None]:
-    """``roofline.devices.SUSTAINED`` set to ``value`` for the duration (what-if questions and the fit)."""
-    before = devices.SUSTAINED
-    devices.SUSTAINED = value
-    try:
-        yield
-    finally:
-        devices.SUSTAINED = before
+def summary(frame: pd.DataFrame, error: str = "error") -> str:
+    """``published runs: N; median |error| X %; worst Y % (ROW)`` over the scored rows."""
+    scored = frame[frame["scored"]]
+    if scored.empty:
+        return "published runs: 0 scored"
+    errors = scored[error].abs()
+    worst = scored.loc[errors.idxmax()]
+    return (f"published runs: {len(scored)}; median |error| {100 * statistics.median(errors):.1f} %; "
+            f"worst {100 * worst[error]:+.1f} % ({worst['label']})")
 
 
-def fit_sustained(runs: Sequence[Run], source: str, low: float = 0.4, high: float = 1.2) -> float:
-    """The ``SUSTAINED`` at which the median signed error of the runs whose source starts with ``source`` is zero
-    (bisection: a larger value predicts every run faster)."""
-    chosen = [run for run in runs if run.source.startswith(source)]
-    if not chosen:
-        raise ValueError(f"--fit {source!r}: no run's source starts with it")
-    for _ in range(30):
-        middle = (low + high) / 2
-        with sustained(middle):
-            error = statistics.median(predict(run)["error"] for run in chosen)
-        low, high = (middle, high) if error < 0 else (low, middle)
-    return round((low + high) / 2, 3)
+def _fold_text(fold: Fold, runs: Sequence[Run]) -> str:
+    sources = {run.index: source_of(run) for run in runs}
+    parts = []
+    for die, value in fold.constants.items():
+        if die in fold.borrowed:
+            parts.append(f"{die} {value} (no {die} row left to fit: the mean of the others)")
+        else:
+            rows = fold.fitted_on[die]
+            parts.append(f"{die} {value} (fitted on {len(rows)} rows of {len({sources[r] for r in rows})} "
+                         f"source(s): rows {compact(rows)})")
+    return "; ".join(parts)
 
 
-def _print(table: pd.DataFrame) -> None:
-    shown = table.drop(columns="label").assign(error=(100 * table["error"]).map("{:+.1f} %".format))
-    with pd.option_context("display.width", 200, "display.max_colwidth", 40, "display.float_format", "{:.4g}".format):
+def _print_rows(frame: pd.DataFrame) -> None:
+    shown = frame.drop(columns=["label", "scored", "fits", "mfu_published", "mfu_predicted", "note"])
+    for column in [c for c in shown if c.startswith("error")]:
+        shown[column] = (100 * frame[column]).map(lambda e: "not scored" if math.isnan(e) else f"{e:+.1f} %")
+    shown["range"] = [("" if math.isnan(lo) or lo == hi else f"{lo:.4g}-{hi:.4g}")
+                      for lo, hi in zip(frame["low"], frame["high"], strict=True)]
+    shown = shown.drop(columns=["low", "high"])
+    with pd.option_context("display.width", 250, "display.max_colwidth", 44, "display.max_rows", 1000,
+                           "display.float_format", "{:.4g}".format):
         print(shown.to_string(index=False))
-        by_source = table.assign(abs_error=table["error"].abs()).groupby("source", sort=False)["abs_error"]
-        print("\nmedian |error| by source:")
-        for source, errors in by_source:
-            print(f"  {source}: {100 * errors.median():.1f} % over {len(errors)} run(s)")
-    print(summary(table))
+    for _, row in frame[frame["note"] != ""].iterrows():
+        print(f"  {row['label']}: {row['note']}")
+
+
+def _by_source(frame: pd.DataFrame, columns: dict[str, str]) -> None:
+    scored = frame[frame["scored"]]
+    print("\nmedian |error| by source (" + ", ".join(columns) + "):")
+    for source, rows in scored.groupby("source", sort=False):
+        medians = ", ".join(f"{100 * rows[c].abs().median():.1f} %" for c in columns.values())
+        print(f"  {source}: {medians} over {len(rows)} run(s)")
+
+
+def _report(runs: Sequence[Run]) -> pd.DataFrame:
+    """Both validations side by side (out of sample first); prints them; returns the joined table."""
+    loso, inside = out_of_sample(runs), in_sample(runs)
+    frame = table(loso)
+    both = table(inside)
+    frame = frame.assign(predicted_in_sample=both["predicted"], error_in_sample=both["error"],
+                         mfu_predicted_in_sample=both["mfu_predicted"])
+    print(f"{LOSO}: {summary(frame)}")
+    print(f"{IN_SAMPLE}: {summary(frame, 'error_in_sample')}")
+    unscored = frame[~frame["scored"]]
+    if len(unscored):
+        print(f"not scored (unpublished choices, none fits by the planner's memory model): rows "
+              f"{compact(unscored['row'])}")
+    committed = ", ".join(f"{die} {value}" for die, value in devices.SUSTAINED.items())
+    print(f"\nconstants fitted on every row (committed in roofline.devices.SUSTAINED: {committed}):\n  "
+          f"{_fold_text(inside[0]['fold'], runs)}")
+    print("leave one source out, the constants that predicted each source's rows:")
+    for source in dict.fromkeys(source_of(run) for run in runs):
+        fold = next(p["fold"] for p in loso if source_of(p["run"]) == source)
+        print(f"  without {source}: {_fold_text(fold, runs)}")
+    print()
+    _print_rows(frame.drop(columns=["mfu_predicted_in_sample"]))
+    _by_source(frame, {"leave-one-source-out": "error", "in-sample": "error_in_sample"})
+    return frame
+
+
+def _write(frame: pd.DataFrame, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    frame.drop(columns=["label"]).to_csv(out / "planner_validation.csv", index=False)
+    save(predicted_against_published(frame), out / "planner_validation.png")
+    print(f"wrote {out / 'planner_validation.csv'} and {out / 'planner_validation.png'}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtlab.cost.planner.validate",
                                      description="Predict published training runs with the planner.")
-    parser.add_argument("--runs", default=str(DEFAULT_RUNS), help="a CSV in planner.runs.SCHEMA "
-                                                                 "(default: data/published_runs.csv)")
-    parser.add_argument("--fit", metavar="SOURCE", help="print the SUSTAINED that zeroes the median error of the "
-                                                        "runs whose source starts with SOURCE, and stop")
+    parser.add_argument("--runs", help="predict a CSV in planner.runs.SCHEMA with the committed constants "
+                                       "(default: data/published_runs.csv, validated out of sample and in-sample)")
+    parser.add_argument("--fit", action="store_true", help="print the constants fitted on the table, and stop")
+    parser.add_argument("--out", help="also write planner_validation.csv and planner_validation.png here")
     args = parser.parse_args(argv)
     try:
-        runs = read_runs(args.runs)
+        runs = read_runs(args.runs or DEFAULT_RUNS)
         if args.fit:
-            print(f"SUSTAINED fitted on the runs of {args.fit!r}: {fit_sustained(runs, args.fit)}")
+            print(f"constants fitted on {args.runs or DEFAULT_RUNS}: {_fold_text(fit(runs), runs)}")
             return 0
-        table = validate(runs)
+        if args.runs:
+            frame = validate(runs)  # the committed constants: FILE is predicted, never fitted on
+            _print_rows(frame)
+            _by_source(frame, {"committed constants": "error"})
+        else:
+            frame = _report(runs)
+        if args.out:
+            _write(frame, Path(args.out))
+        if args.runs:
+            print(summary(frame))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        _print(table)
     except BrokenPipeError:  # the reader stopped early (| head): not an error of ours
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stays open until exit, so the final flush succeeds
     return 0
