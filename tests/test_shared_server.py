@@ -32,7 +32,7 @@ def nothing_starts(monkeypatch):
     def started(*_args, **_kwargs):
         raise AssertionError("a launch got as far as starting something")
 
-    monkeypatch.setattr(local, "_context", started)
+    monkeypatch.setattr(local, "context", started)
     monkeypatch.setattr(lifeline, "temporary_folder", started)
 
 
