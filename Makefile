@@ -11,6 +11,7 @@ STAMP := $(VENV)/.dtlab-installed
 .PHONY: demo test test-fast lint bench figures lab book clean
 
 $(STAMP): pyproject.toml
+	@echo "dtlab: installing torch and the other dependencies into $(VENV) (once; a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[notebook,dev]"
@@ -19,6 +20,7 @@ $(STAMP): pyproject.toml
 # The comparison shows every tier slower than one process on a width-64 MLP (communication-bound); the sweep after
 # it measures where ddp at world size 2 starts to beat one process as the model grows (crossover.csv, crossover.png).
 demo: $(STAMP)
+	@echo "dtlab: comparing five tiers at world size 2 on one job, then sweeping the model width (a few minutes)"
 	$(PY) -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 --out results/demo
 	$(PY) -m dtlab.experiments.speedup --out results/demo
 
