@@ -64,21 +64,6 @@ def test_simulated_oom_halves_the_micro_batch_and_keeps_the_training(uninterrupt
     assert "oom_answer" in _kinds(result)
 
 
-def test_a_node_joins_and_the_world_grows():
-    single = dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1, "steps": 24}), progress=False)
-    result = dtlab.run(RunConfig(tier="elastic", **{**BASE, "steps": 24},
-                                 tier_options=elastic.Options(nnodes="1:2", join_at_step=8)), progress=False)
-    assert result.max_param_diff(single) <= 1e-5
-    assert len(result.ranks) == 2
-    starts = [e for e in result.run_events if e["kind"] == "worker_start"]
-    assert [e["world_size"] for e in starts if e["node"] == 0] == [1, 2]
-    nodes = [e for e in result.run_events if e["kind"] == "node_start"]
-    assert len({e["rdzv_id"] for e in nodes}) == 1  # one job, one rendezvous: a real join
-    # The first node's agent survived the join: both of its workers are its children.
-    assert {e["agent_pid"] for e in starts if e["node"] == 0} == {nodes[0]["agent_pid"]}
-    assert [e["step"] for e in result.run_events if e["kind"] == "resume" and e["rank"] == 0] == [8]
-
-
 def test_failure_beyond_max_restarts_is_reported_and_leaves_no_process():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(RankError, match="injected fault 1"):
@@ -141,12 +126,21 @@ def test_sigkill_at_world_size_4_loses_nothing():
     assert len(killed.ranks) == 4
 
 
-def test_a_node_joins_and_dcp_snapshots_reshard_to_the_new_world(tmp_path):
+def test_a_node_joins_the_world_grows_and_dcp_snapshots_reshard_to_it(tmp_path):
+    # One run for both: the join (one rendezvous, the first agent surviving it) and the DCP snapshot the world
+    # of 1 saved at step 8, loaded by the world of 2.
     single = dtlab.run(RunConfig(tier="single", **{**BASE, "world_size": 1, "steps": 16}), progress=False)
     options = elastic.Options(nnodes="1:2", join_at_step=8, snapshot_format="dcp", snapshot_dir=str(tmp_path))
     result = dtlab.run(RunConfig(tier="elastic", **{**BASE, "steps": 16}, tier_options=options), progress=False)
     assert result.max_param_diff(single) <= 1e-5
-    # saved by a world of 1 at step 8, loaded by a world of 2
+    assert len(result.ranks) == 2
+    starts = [e for e in result.run_events if e["kind"] == "worker_start"]
+    assert [e["world_size"] for e in starts if e["node"] == 0] == [1, 2]
+    nodes = [e for e in result.run_events if e["kind"] == "node_start"]
+    assert len({e["rdzv_id"] for e in nodes}) == 1  # one job, one rendezvous: a real join
+    # The first node's agent survived the join: both of its workers are its children.
+    assert {e["agent_pid"] for e in starts if e["node"] == 0} == {nodes[0]["agent_pid"]}
     assert (tmp_path / "step-00000008" / ".metadata").exists()
     resumed = [e for e in result.run_events if e["kind"] == "resume"]
     assert {e["world_size"] for e in resumed} == {2} and {e["step"] for e in resumed} == {8}
+    assert [e["step"] for e in resumed if e["rank"] == 0] == [8]
