@@ -20,7 +20,7 @@ from torch import nn
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
-from dtlab.core.job import OptimizerFactory
+from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.models import evaluate
 
 
@@ -47,7 +47,7 @@ class Strategy:
         return model
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        return build(model.parameters())
+        return build(optimizer_params(model, build))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context for micro-batches whose gradients are not yet reduced."""
