@@ -35,6 +35,9 @@ class Strategy:
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
     # Recorder channels that name this tier's calls (dtlab.instrument.channels): "modules", "ddp_buckets"
     comm_channels: tuple[str, ...] = ()
+    # True: every rank returns its parameters, not rank 0 alone, so that a run of replica groups can check that
+    # every rank of every group ended with the same ones (dtlab.train.replicas.replica_agreement)
+    params_on_every_rank = False
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info

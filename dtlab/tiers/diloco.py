@@ -115,6 +115,7 @@ class Strategy(base.Strategy):
     """The job's optimizer as DiLoCo's inner optimizer; a Nesterov SGD per fragment as the outer one."""
 
     comm_channels = ("ddp_buckets",)  # the inner steps' DDP
+    params_on_every_rank = True  # the groups' agreement is checked on every rank of each
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         super().__init__(cfg, info)

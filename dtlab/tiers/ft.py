@@ -73,6 +73,8 @@ def plan(cfg: RunConfig) -> ReplicaPlan:
 class Strategy(base.Strategy):
     """torchft's DDP and optimizer wrapper around the unchanged model; a step is repeated until committed."""
 
+    params_on_every_rank = True  # the groups' agreement is checked on every rank of each
+
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         super().__init__(cfg, info)
         self.ident = identity()
