@@ -186,6 +186,8 @@ def test_ddp_buckets_overlap_backward_until_the_last_bucket_is_launched():
     (dict(tier="tp", world_size=2, model="charformer", dataset="text",
           tier_options=tp.Options(decomposed_mlp=True, sequence_parallel=True)),
      r"decomposed_mlp=True is invalid with sequence_parallel=True"),
+    (dict(tier="tp", world_size=2, tier_options=tp.Options(ring_overlap=False)),
+     r"ring_overlap=False is invalid without decomposed_mlp=True"),
 ])
 def test_a_bad_combination_is_one_line_naming_the_field(changes, match):
     with pytest.raises(ValueError, match=match) as caught:
