@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtlab.app.bench import RESULT
 from dtlab.core.config import RunConfig
@@ -208,43 +208,76 @@ LARGE = Size("large", model_size=1024, global_batch=1024, steps=30, dataset_size
 
 
 # -- per-round ratios -------------------------------------------------------------------------
-def median_interval(values: Iterable[float], level: float = 0.9, resamples: int = 2000,
-                    seed: int = 0) -> tuple[float, float]:
-    """A bootstrap percentile interval for the median of per-round values (``level``: 0.9 is 90 %).
+# Below this many rounds a bootstrap of the median cannot mean its level: from 3 rounds the 5th and 95th
+# percentiles of the resampled medians are the smallest and largest round (each is the median of a resample
+# with probability 7/27), so a "90 %" interval would be the range of three values, covering the median about
+# 75 % of the time. With fewer rounds the interval is called what it is: the rounds' min-max.
+BOOTSTRAP_MIN_ROUNDS = 10
 
-    The rounds are resampled with replacement ``resamples`` times (a fixed seed:
-    the same rows give the same interval). It says how far the median could move
-    with other rounds of the same noise: a target inside it is not resolved by the run.
+
+class Interval(NamedTuple):
+    """An interval for the median of per-round values, with the name it may be quoted under."""
+
+    lo: float
+    hi: float
+    label: str  # "90 % bootstrap" (>= BOOTSTRAP_MIN_ROUNDS rounds), "min-max of N rounds", or "no interval"
+
+    def text(self) -> str:
+        """``LABEL LO-HI`` for a result line's detail ("" with fewer than two rounds)."""
+        return "" if math.isnan(self.lo) else f"{self.label} {self.lo:.3f}-{self.hi:.3f}"
+
+
+def median_interval(values: Iterable[float], level: float = 0.9, resamples: int = 2000,
+                    seed: int = 0) -> Interval:
+    """The interval quoted beside a median of per-round values: what it is depends on the rounds.
+
+    With at least ``BOOTSTRAP_MIN_ROUNDS`` rounds, a bootstrap percentile
+    interval at ``level`` (0.9 is 90 %): the rounds resampled with replacement
+    ``resamples`` times, with a fixed seed (the same rows give the same
+    interval). With fewer, the min-max of the rounds. Either way it says how far
+    the median could move with other rounds of the same noise: a target inside
+    it is not resolved by the run.
     """
     values = [v for v in values if not math.isnan(v)]
     if not 0 < level < 1:
         raise ValueError(f"level={level!r} is invalid: must be between 0 and 1")
     if len(values) < 2:
-        return (float("nan"), float("nan"))
+        return Interval(float("nan"), float("nan"), "no interval")
+    if len(values) < BOOTSTRAP_MIN_ROUNDS:
+        return Interval(min(values), max(values), f"min-max of {len(values)} rounds")
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1 - level) / 2
-    return medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))]
+    return Interval(medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))],
+                    f"{100 * level:g} % bootstrap")
 
 
 def resolution(values: Iterable[float], target: float) -> str:
     """Whether a run's rounds can tell its median from ``target``: a phrase for the detail."""
-    lo, hi = median_interval(values)
-    if math.isnan(lo):
+    interval = median_interval(values)
+    if math.isnan(interval.lo):
         return "one round: no interval"
-    if lo <= target <= hi:
-        return f"the target {target:g} lies inside the 90 % interval: not resolved by this run"
-    return f"the 90 % interval excludes the target {target:g}"
+    if interval.lo <= target <= interval.hi:
+        return f"the target {target:g} lies inside the {interval.label}: not resolved by this run"
+    return f"the {interval.label} excludes the target {target:g}"
 
 
 def ratio_text(values: Iterable[float]) -> str:
-    """``MEDIAN [90 % interval LO-HI] (rounds MIN..MAX)`` of per-round ratios, for a result line's detail."""
+    """``MEDIAN [INTERVAL]`` of per-round ratios, for a result line's detail.
+
+    The interval is ``median_interval``'s under its own label; a bootstrap one
+    is followed by the rounds' range, which the min-max label already is.
+    """
     values = sorted(v for v in values if not math.isnan(v))
     if not values:
         return "nan (no rounds)"
-    lo, hi = median_interval(values)
-    interval = f" [90 % {lo:.3f}-{hi:.3f}]" if not math.isnan(lo) else ""
-    return f"{median(values):.3f}{interval} (rounds {values[0]:.3f}..{values[-1]:.3f})"
+    interval = median_interval(values)
+    text = f"{median(values):.3f}"
+    if not math.isnan(interval.lo):
+        text += f" [{interval.text()}]"
+    if len(values) >= BOOTSTRAP_MIN_ROUNDS:
+        text += f" (rounds {values[0]:.3f}..{values[-1]:.3f}, {len(values)} rounds)"
+    return text
 
 
 # -- dtlab against a plain torchrun script ---------------------------------------------------
@@ -303,9 +336,9 @@ def vs_script(name: str, tier: str, script: Path, doc: str, *, target: float, wo
 
     Per round, interleaved: dtlab small, script small, dtlab large, script
     large (reversed every other round). Reports the median over rounds of
-    dtlab/script samples/s for each size with its 90 % interval and the
-    per-round range; the headline is the lower of the two, and the target holds
-    only if both meet it.
+    dtlab/script samples/s for each size with its interval (``median_interval``:
+    a 90 % bootstrap from 10 rounds, the min-max below); the headline is the
+    lower of the two, and the target holds only if both meet it.
     """
     p = parser(doc)
     p.add_argument("--model-size", type=int, default=SMALL.model_size, help=f"small MLP width ({SMALL.model_size})")

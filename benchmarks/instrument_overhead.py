@@ -20,8 +20,9 @@
     issuing each DTensor collective). Reported apart (``instrument_overhead.tp``, no
     target), as it was when a dispatch mode recorded these collectives.
 
-Reported: the median over rounds of instrumented / plain for each, with a 90 %
-bootstrap interval of that median and the range of the per-round ratios, and the
+Reported: the median over rounds of instrumented / plain for each, with the
+interval of that median (``_common.median_interval``: a 90 % bootstrap from 10
+rounds, their min-max below) and the range of the per-round ratios, and the
 worst of the medians of (a) and (b) as the headline, saying whether its interval
 excludes the target (if not, the run cannot tell the recorder's cost from noise).
 With ``record=False`` dtlab still times its compute phases

@@ -10,8 +10,9 @@ on the digits, Adam (lr 0.003), global batch 64, 100 steps (3.5 epochs), one
 thread per rank; the quality is the held-out loss after training. Each round
 runs every point once with the round's seed (0, 1, 2), points in reverse order
 on odd rounds; a point's step time and loss are medians over rounds, with
-their range; hook-against-all-reduce step ratios are taken per round, with a
-90 % bootstrap interval. ``cat /proc/loadavg`` before and after is printed.
+their range; hook-against-all-reduce step ratios are taken per round, with
+their min-max (``_common.median_interval``; a 90 % bootstrap from 10 rounds).
+``cat /proc/loadavg`` before and after is printed.
 
 Prints ``link_sweep.fp16_at_200mbit`` and ``link_sweep.powersgd_at_200mbit_2ms``
 (hook / all-reduce step time: below 1, compression pays) and

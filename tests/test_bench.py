@@ -69,19 +69,39 @@ def _common():
     return bench_scripts.load("_common")
 
 
-def test_median_interval_narrows_with_rounds_and_says_when_a_target_is_resolved():
+def test_median_interval_from_ten_rounds_is_a_90_percent_bootstrap_and_says_when_a_target_is_resolved():
     common = _common()
     noisy = [1.0 + 0.1 * ((7 * i) % 11 - 5) / 5 for i in range(11)]  # 0.9 .. 1.1, median 1.0
-    lo, hi = common.median_interval(noisy)
-    assert lo < 1.0 < hi and hi - lo < 0.2
-    many_lo, many_hi = common.median_interval(noisy * 9)  # the same spread, nine times the rounds
+    lo, hi, label = common.median_interval(noisy)
+    assert label == "90 % bootstrap"
+    assert 0.9 < lo < 1.0 < hi < 1.1 and hi - lo < 0.2  # inside the rounds' range: not their min-max
+    many_lo, many_hi, _ = common.median_interval(noisy * 9)  # the same spread, nine times the rounds
     assert many_hi - many_lo < (hi - lo) / 2
-    assert common.median_interval(noisy) == (lo, hi)  # seeded: the same rows give the same interval
-    assert "not resolved" in common.resolution(noisy, 0.98)
-    assert "excludes" in common.resolution([0.90, 0.91, 0.92, 0.90, 0.93], 0.98)
-    assert common.resolution([1.0], 0.98) == "one round: no interval"
+    assert common.median_interval(noisy) == (lo, hi, label)  # seeded: the same rows give the same interval
+    assert common.resolution(noisy, 0.98) == "the target 0.98 lies inside the 90 % bootstrap: not resolved by this run"
+    assert "90 % bootstrap" in common.ratio_text(noisy) and "11 rounds" in common.ratio_text(noisy)
     with pytest.raises(ValueError, match="level"):
         common.median_interval(noisy, level=90)
+
+
+@pytest.mark.parametrize("rounds", [2, 3, 9])
+def test_median_interval_from_fewer_than_ten_rounds_is_their_min_max_and_says_so(rounds):
+    common = _common()
+    values = [1.0 + 0.01 * ((5 * i) % rounds) for i in range(rounds)]
+    interval = common.median_interval(values)
+    assert (interval.lo, interval.hi) == (min(values), max(values))
+    assert interval.label == f"min-max of {rounds} rounds"
+    text = common.ratio_text(values)
+    assert f"[min-max of {rounds} rounds " in text and "90 %" not in text
+    assert common.resolution(values, 1.0) == \
+        f"the target 1 lies inside the min-max of {rounds} rounds: not resolved by this run"
+    assert common.resolution(values, 0.98) == f"the min-max of {rounds} rounds excludes the target 0.98"
+
+
+def test_median_interval_of_one_round_is_none():
+    common = _common()
+    assert common.resolution([1.0], 0.98) == "one round: no interval"
+    assert common.ratio_text([1.0]) == "1.000"
 
 
 def test_interleave_reverses_every_other_round():

@@ -167,6 +167,9 @@ def test_two_ranks_per_replica_group_still_train_ddps_parameters():
     result = dtlab.run(RunConfig(tier="ft", **job, tier_options=ft.Options(ranks_per_replica=2)), progress=False)
     assert result.max_param_diff(ddp4) <= 1e-5
     assert [r.rank for r in result.ranks] == [0, 1, 2, 3]
+    # every rank of both groups returned its parameters, and the agreement compared all four
+    assert all(r.params is not None for r in result.ranks)
+    assert result.ranks[0].strategy["replicas_max_param_diff"] == 0.0
     intra = result.events_frame()
     assert (intra["tag"] == "ft_intra_replica").sum() == 4 * 8
 

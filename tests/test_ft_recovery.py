@@ -38,6 +38,23 @@ def _result(*ranks: RankResult, events: list[dict] | None = None) -> RunResult:
 W = {"w": torch.ones(3)}
 
 
+def test_agreement_compares_every_rank_of_every_group_not_only_their_first():
+    def member(replica: int, rank: int, params: dict[str, torch.Tensor] | None) -> RankResult:
+        r = _rank(replica, params)
+        r.rank = 2 * replica + rank  # the run's numbering: replica x ranks_per_replica + rank
+        return r
+
+    off = {"w": torch.tensor([1.0, 1.25, 1.0])}
+    same = [member(g, r, W) for g in range(2) for r in range(2)]
+    assert replica_agreement(_result(*same), 2, ranks_per_replica=2) == 0.0
+    # the groups' first ranks agree; the second rank of group 1 (or of group 0) does not
+    assert replica_agreement(_result(*same[:3], member(1, 1, off)), 2, ranks_per_replica=2) == 0.25
+    assert replica_agreement(_result(same[0], member(0, 1, off), *same[2:]), 2, ranks_per_replica=2) == 0.25
+    # a rank that returned no parameters, or a group short of a rank, cannot agree
+    assert math.isnan(replica_agreement(_result(*same[:3], member(1, 1, None)), 2, ranks_per_replica=2))
+    assert math.isnan(replica_agreement(_result(*same[:3]), 2, ranks_per_replica=2))
+
+
 def test_agreement_needs_every_group_a_lone_group_is_nan_and_fails_the_benchmark_check():
     assert replica_agreement(_result(_rank(0, W), _rank(1, {"w": torch.ones(3)})), 2) == 0.0
     assert replica_agreement(_result(_rank(0, W), _rank(1, {"w": torch.tensor([1.0, 1.0, 1.5])})), 2) == 0.5

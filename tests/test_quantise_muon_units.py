@@ -9,7 +9,8 @@ import torch
 
 from dtlab import RunConfig
 from dtlab.app.cli import main as cli_main
-from dtlab.core import muon
+from dtlab.core import models, muon
+from dtlab.core.charformer import CharFormer
 from dtlab.core.quantise import COMM_DTYPES, decode, encode, encoded_bytes
 from dtlab.read import overlap as ov
 from dtlab.tiers import ddp, fsdp, fsdp_tp, tp
@@ -74,7 +75,8 @@ def test_muon_steps_matrices_by_hand_and_the_rest_as_torch_adamw():
     torch.manual_seed(1)
     w, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
     p_w, p_b, q_b = (torch.nn.Parameter(t.clone()) for t in (w, b, b))
-    opt = muon.Muon([p_w, p_b], lr=0.02, weight_decay=0.1)
+    opt = muon.Muon([{"params": [p_w], "use_muon": True}, {"params": [p_b], "use_muon": False}], lr=0.02,
+                    weight_decay=0.1)
     adamw = torch.optim.AdamW([q_b], lr=0.02, weight_decay=0.1, foreach=False)
     buf, ref = torch.zeros_like(w), w.clone()
     for _ in range(3):
@@ -87,6 +89,47 @@ def test_muon_steps_matrices_by_hand_and_the_rest_as_torch_adamw():
     assert torch.allclose(p_w, ref, atol=1e-12)
     assert torch.equal(p_b, q_b)
     assert set(opt.state[p_w]) == {"momentum_buffer"} and set(opt.state[p_b]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_muon_takes_the_hidden_matrices_and_leaves_embeddings_input_layer_head_and_vectors_to_adamw():
+    mlp = models.mlp((64,), 10, width=32, depth=3)  # Flatten, then Linear 64-32, 32-32, 32-32, 32-10
+    linears = [m for m in mlp if isinstance(m, torch.nn.Linear)]
+    assert [id(p) for p in muon.hidden_matrices(mlp)] == [id(linears[1].weight), id(linears[2].weight)]
+    groups = muon.param_groups(mlp)
+    assert [g["use_muon"] for g in groups] == [True, False]
+    rest = [id(p) for p in groups[1]["params"]]
+    assert rest == [id(p) for m in linears for p in m.parameters() if p.ndim == 1 or m in (linears[0], linears[-1])]
+    former = CharFormer(vocab=20, seq_len=8, width=16, layers=1, heads=2)
+    hidden = {id(p) for p in muon.hidden_matrices(former)}
+    names = {n for n, p in former.named_parameters() if id(p) in hidden}
+    assert names == {n for n, p in former.named_parameters() if p.ndim == 2} - {"tok.weight", "pos.weight",
+                                                                                 "head.weight"}
+    assert names and all(n.startswith("blocks.") for n in names)
+    assert muon.param_groups(models.mlp((64,), 10, width=32, depth=1))[0]["use_muon"] is False  # no hidden layer
+
+
+def test_muon_refuses_groups_that_do_not_say_which_optimizer_steps_them():
+    w, b = torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="use_muon"):
+        muon.Muon([w, b], lr=0.01)
+    with pytest.raises(ValueError, match="not 2-D"):
+        muon.Muon([{"params": [w, b], "use_muon": True}], lr=0.01)
+
+
+def test_the_head_steps_as_torch_adamw_under_muon():
+    torch.manual_seed(2)
+    mlp = models.mlp((6,), 4, width=5, depth=2).double()
+    head = [m for m in mlp if isinstance(m, torch.nn.Linear)][-1]
+    ref = torch.nn.Parameter(head.weight.detach().clone())
+    opt = muon.Muon(muon.param_groups(mlp), lr=0.02)
+    adamw = torch.optim.AdamW([ref], lr=0.02, weight_decay=0.0, foreach=False)
+    for _ in range(3):
+        mlp(torch.randn(8, 6, dtype=torch.float64)).square().mean().backward()
+        ref.grad = head.weight.grad.clone()
+        opt.step()
+        adamw.step()
+        opt.zero_grad()
+    assert torch.equal(head.weight, ref)
 
 
 def test_owners_take_whole_matrices_largest_first_and_rows_follow_torch_chunk():
@@ -143,6 +186,8 @@ def test_ddp_buckets_overlap_backward_until_the_last_bucket_is_launched():
     (dict(tier="tp", world_size=2, model="charformer", dataset="text",
           tier_options=tp.Options(decomposed_mlp=True, sequence_parallel=True)),
      r"decomposed_mlp=True is invalid with sequence_parallel=True"),
+    (dict(tier="tp", world_size=2, tier_options=tp.Options(ring_overlap=False)),
+     r"ring_overlap=False is invalid without decomposed_mlp=True"),
 ])
 def test_a_bad_combination_is_one_line_naming_the_field(changes, match):
     with pytest.raises(ValueError, match=match) as caught:

@@ -4,8 +4,10 @@ is measured per rank for ddp's buckets, fsdp's collectives and the ring.
 
 Measured here (one CPU model, x86_64), 20 Adam steps: the mlp at lr 0.01 ends 1.8e-7 (world 2) and 8.9e-8
 (world 4) from one device and within 1.3e-7 of tp; the charformer (4 heads, lr 0.003) at world 4 2.4e-7.
-On 2 cores the ring buys no speed: what the test checks is the arithmetic and that the transfers run under
-compute (``dtlab.read.overlap``).
+On 2 cores the ring buys no speed: what the tests check is the arithmetic and the overlap measure
+(``dtlab.read.overlap``). Its > 0 for the ring and ddp and 0 for fsdp follow from the code's order (issue,
+compute, wait; fsdp's calls synchronous) whatever the bytes do; the control layout (``ring_overlap=False``:
+issue, wait, compute) is the check that could fail, and does on a loaded machine (see its test).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def test_the_charformer_ring_runs_in_both_passes():
 
 def test_overlap_per_rank_for_ddp_fsdp_and_the_ring():
     """ddp's early buckets run while backward computes; FSDP2 on CPU runs its collectives in the training thread
-    (nothing overlaps); the ring's transfers run under the next chunk's GEMM."""
+    (nothing overlaps); the ring's transfers run under the next chunk's GEMM. These bounds hold by the code's
+    order alone: the control below is what tells overlap from coincidence."""
     bucketed = run(job("adam", tier="ddp", world_size=2, tier_options=ddp.Options(bucket_cap_mb=0.01)),
                    progress=False)
     fsdp = run(job("adam", tier="fsdp", world_size=2), progress=False)
@@ -90,3 +93,27 @@ def test_overlap_per_rank_for_ddp_fsdp_and_the_ring():
         assert (table["overlap_pct"] >= low).all() and (table["overlap_pct"] <= high).all()
         if high > 0:
             assert (table["overlapped_s"] > 0).all(), table
+
+
+@functools.cache
+def control_run() -> RunResult:
+    """The decomposed MLP with every ring transfer waited for before the next chunk computes."""
+    cfg = job("adam", tier="tp", world_size=2, tier_options=tp.Options(decomposed_mlp=True, ring_overlap=False))
+    return run(cfg, progress=False)
+
+
+def test_the_control_layout_computes_what_the_overlapping_ring_computes():
+    ring, control = tp_run(2, True), control_run()
+    assert control.max_param_diff(ring) == 0.0  # the same sums in the same order: only the waits moved
+    tags = [r.events_frame()["tag"].str.startswith("tp_ring:").sum() for r in (ring, control)]
+    assert tags[0] == tags[1] > 0
+
+
+@pytest.mark.xfail(strict=False, reason="the measure counts as compute whatever time passes between a transfer's "
+                                        "issue and its wait (a descheduled thread, a slow issuing call): on a "
+                                        "loaded 2-core machine the control reads 39-64 %, as much as the ring "
+                                        "(docs/figures/overlap.csv)")
+def test_the_control_that_cannot_overlap_measures_about_zero_and_the_ring_more():
+    ring, control = overlap_by_rank(tp_run(2, True)), overlap_by_rank(control_run())
+    assert (control["overlap_pct"] < 5.0).all(), control
+    assert (ring["overlap_pct"] > control["overlap_pct"] + 10.0).all(), (ring, control)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -11,7 +12,7 @@ from dtlab.core import data as datasets
 from dtlab.core import models, own_data
 from dtlab.core.config import RunConfig, dataset_factory
 from dtlab.core.moe import Routing
-from dtlab.core.muon import Muon
+from dtlab.core.muon import Muon, param_groups
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -20,6 +21,21 @@ def optimizer_factory(cfg: RunConfig) -> Callable[[Iterable[torch.nn.Parameter]]
     """``functools.partial(OptimizerClass, lr=...)``: tiers that shard it read ``.func`` and ``.keywords``."""
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "muon": Muon}[cfg.optimizer]
     return functools.partial(cls, lr=cfg.lr)
+
+
+def optimizer_params(model: torch.nn.Module, build: OptimizerFactory) -> Iterable[Any]:
+    """What ``build`` is called with: the model's parameters, or under Muon its two groups (``muon.param_groups``:
+    hidden matrices to Muon, embeddings, input layer, head and 1-D parameters to AdamW)."""
+    cls = getattr(build, "func", build)
+    if isinstance(cls, type) and issubclass(cls, Muon):
+        return param_groups(model)
+    return model.parameters()
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer over ``model``, on one process (``optimizer_params`` of ``optimizer_factory``)."""
+    build = optimizer_factory(cfg)
+    return build(optimizer_params(model, build))
 
 
 def routing(cfg: RunConfig) -> Routing:

@@ -1,4 +1,4 @@
-"""Muon: each 2-D weight's update orthogonalised by a Newton–Schulz iteration, AdamW for every other parameter.
+"""Muon: each hidden 2-D weight's update orthogonalised by a Newton–Schulz iteration, AdamW for every other parameter.
 
 Muon (Jordan et al. 2024) keeps SGD's Nesterov momentum per matrix and replaces the momentum ``G`` by the
 nearest semi-orthogonal matrix ``U Vᵀ`` (``G = U S Vᵀ``): every direction of the update gets the same size,
@@ -7,6 +7,12 @@ the quintic ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X`` (Jordan's coefficients), whic
 ``G / ‖G‖_F`` towards 1 (into about [0.7, 1.2]). The update is scaled by ``0.2 · √max(rows, cols)``
 (Liu et al. 2025, "Muon is scalable"), which gives it AdamW's typical size, so one learning rate serves
 both halves. Weight decay is decoupled, 0 by default as dtlab's other optimizers have none.
+
+Which parameters take Muon follows its references (Jordan's Muon, Moonlight): only the hidden matrices. The
+embeddings, the input layer (which plays the embedding's part in a model without one), the output head and
+every 1-D parameter (biases, norms) take AdamW. ``param_groups(model)`` makes the two groups, each saying
+``use_muon``, as Jordan's ``MuonWithAuxAdam`` takes them; ``Muon`` refuses a group that does not say, since
+a flat list of parameters cannot tell a hidden matrix from the head.
 
 Muon needs each matrix whole: a tier that shards parameters must bring a matrix's gradient together
 before orthogonalising it (``assign_owners`` says which rank does, whole parameters dealt out).
@@ -20,9 +26,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["NS_COEFFICIENTS", "Muon", "adamw_update_", "apply_matrix_update_", "assign_owners", "is_matrix",
-           "local", "momentum_direction", "newton_schulz", "update_scale"]
+__all__ = ["NS_COEFFICIENTS", "Muon", "adamw_update_", "apply_matrix_update_", "assign_owners", "hidden_matrices",
+           "local", "momentum_direction", "newton_schulz", "param_groups", "update_scale"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -45,9 +52,28 @@ def update_scale(shape: Sequence[int]) -> float:
     return 0.2 * math.sqrt(max(shape[0], shape[1]))
 
 
-def is_matrix(p: torch.Tensor) -> bool:
-    """Whether Muon steps ``p`` (a 2-D weight) rather than AdamW."""
-    return p.ndim == 2
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon steps, in ``model.parameters()`` order: the 2-D weights other than the embeddings',
+    the input layer's and the output head's.
+
+    The input layer is the first parameter of two or more dimensions, the head the last one, in the order
+    the model registers them (its layers' order in dtlab's models: the mlp's first and last Linear, the
+    charformer's token embedding and ``head``). Convolution filters (4-D) stay on AdamW as before.
+    """
+    params = list(model.parameters())
+    weights = [p for p in params if p.ndim >= 2]
+    outer = {id(weights[0]), id(weights[-1])} if weights else set()
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [p for p in params if p.ndim == 2 and id(p) not in outer | embeddings]
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """``model``'s parameters as ``Muon`` takes them: the hidden matrices with ``use_muon=True``, the rest with
+    ``use_muon=False`` (an empty group left out)."""
+    hidden = hidden_matrices(model)
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [g for g in ({"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}) if g["params"]]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +128,10 @@ def assign_owners(sizes: Sequence[int], world: int) -> list[int]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D parameters, AdamW for the rest, one learning rate (see the module's docstring)."""
+    """Muon for the groups with ``use_muon=True`` (2-D only), AdamW for the rest, one learning rate.
+
+    Build it over ``param_groups(model)`` (see the module's docstring).
+    """
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -111,6 +140,13 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: lr={lr!r} must be > 0")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, betas=betas,
                                       eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            if "use_muon" not in group:
+                raise ValueError("Muon: each parameter group must say use_muon=True or False (muon.param_groups("
+                                 "model) makes them): a list of parameters cannot tell a hidden matrix from an "
+                                 "embedding or the output head")
+            if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon: a group with use_muon=True holds a parameter that is not 2-D")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -120,11 +156,12 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                self.step_matrices(params, group)
+                continue
             for p in params:
-                if not is_matrix(p):
-                    adamw_update_(local(p), local(p.grad), self.state[p], group["lr"], group["betas"], group["eps"],
-                                  group["weight_decay"])
-            self.step_matrices([p for p in params if is_matrix(p)], group)
+                adamw_update_(local(p), local(p.grad), self.state[p], group["lr"], group["betas"], group["eps"],
+                              group["weight_decay"])
         return loss
 
     def step_matrices(self, matrices: list[torch.Tensor], group: dict[str, Any]) -> None:

@@ -17,8 +17,11 @@ NODE_ADDR_ENV = "DTLAB_NODE_ADDR"  # a simulated host's address (set by the torc
 
 # A replica group whose heartbeats stop for HEARTBEAT_TIMEOUT_MS is out of the lighthouse's next quorum: what a
 # dead group costs the others. Each group's manager beats every HEARTBEAT_INTERVAL_MS from a Rust thread, which
-# a busy Python does not delay, so six missed beats mean a dead process. (A live group left out by mistake only
-# joins the next quorum, healing if it fell behind.)
+# a busy Python does not delay, so six missed beats mean a dead process -- on one machine. (A live group left out
+# by mistake only joins the next quorum, healing if it fell behind.) On a real cluster 300 ms evicts healthy
+# groups: a congested or briefly partitioned link, a stalled host or a paused VM holds beats back that long, and
+# each such group then loses its steps and heals from a peer, again and again on a flaky link. Clusters keep
+# torchft's 5 s (timeouts="torchft"); the cost is that a dead group is noticed 5 s later.
 HEARTBEAT_INTERVAL_MS = 50
 HEARTBEAT_TIMEOUT_MS = 300
 

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 
 from dtlab.core.config import RunConfig
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, make_optimizer
 from dtlab.core.results import RunResult
 from dtlab.cost import goodput as model
 from dtlab.plots.goodput import goodput_figure
@@ -224,7 +224,7 @@ def checkpoint_costs(cfg: RunConfig, repeats: int = 15) -> dict[str, float]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, data = build_job(cfg, torch.device("cpu"))
-    optimizer = optimizer_factory(cfg)(model.parameters())
+    optimizer = make_optimizer(cfg, model)
     x, y = data.train_x[: cfg.global_batch_size], data.train_y[: cfg.global_batch_size]
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()  # Adam's moments exist: the state a snapshot holds

@@ -33,7 +33,7 @@ import torch
 from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, make_optimizer
 from dtlab.core.results import max_param_diff
 from dtlab.tiers import cp, diloco, elastic, ep, fsdp, fsdp_tp, ft, multinode, nd, pipeline, rpc, tp, zero
 from dtlab.train import run
@@ -148,7 +148,7 @@ def diloco_reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
         raise ValueError("diloco_reference computes one rank per replica group, one fragment, no faults")
     model, data = build_job(cfg, torch.device("cpu"))
     replicas = [copy.deepcopy(model) for _ in range(o.replicas)]
-    inner = [optimizer_factory(cfg)(m.parameters()) for m in replicas]
+    inner = [make_optimizer(cfg, m) for m in replicas]
     outer = torch.optim.SGD(model.parameters(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=True)
     shares = [datasets.ShardedBatches(len(data), cfg.global_batch_size, r, o.replicas, cfg.seed)
               for r in range(o.replicas)]

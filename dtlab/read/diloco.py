@@ -28,7 +28,7 @@ import torch
 from dtlab.core import data as datasets
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, make_optimizer
 from dtlab.core.results import RunResult
 from dtlab.read.ft import loss_by_time
 
@@ -64,7 +64,7 @@ def replay_heldout(cfg: RunConfig, at_steps: Iterable[int]) -> dict[int, float]:
     after its last step: the model DDP holds, up to float rounding of the gradient's sum."""
     torch.set_num_threads(1)
     model, data = build_job(cfg, torch.device("cpu"))
-    optimizer = optimizer_factory(cfg)(model.parameters())
+    optimizer = make_optimizer(cfg, model)
     shards = [datasets.ShardedBatches(len(data), cfg.global_batch_size, r, cfg.world_size, cfg.seed)
               for r in range(cfg.world_size)]
     wanted, out = set(at_steps) | {cfg.steps}, {}

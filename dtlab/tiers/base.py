@@ -20,7 +20,7 @@ from torch import nn
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
-from dtlab.core.job import OptimizerFactory
+from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.models import evaluate
 
 
@@ -35,6 +35,9 @@ class Strategy:
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
     # Recorder channels that name this tier's calls (dtlab.instrument.channels): "modules", "ddp_buckets"
     comm_channels: tuple[str, ...] = ()
+    # True: every rank returns its parameters, not rank 0 alone, so that a run of replica groups can check that
+    # every rank of every group ended with the same ones (dtlab.train.replicas.replica_agreement)
+    params_on_every_rank = False
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
@@ -47,7 +50,7 @@ class Strategy:
         return model
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        return build(model.parameters())
+        return build(optimizer_params(model, build))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context for micro-batches whose gradients are not yet reduced."""

@@ -38,7 +38,7 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
-from dtlab.core.job import OptimizerFactory, build_job, load_data
+from dtlab.core.job import OptimizerFactory, build_job, load_data, optimizer_params
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
@@ -115,6 +115,7 @@ class Strategy(base.Strategy):
     """The job's optimizer as DiLoCo's inner optimizer; a Nesterov SGD per fragment as the outer one."""
 
     comm_channels = ("ddp_buckets",)  # the inner steps' DDP
+    params_on_every_rank = True  # the groups' agreement is checked on every rank of each
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         super().__init__(cfg, info)
@@ -144,7 +145,7 @@ class Strategy(base.Strategy):
         from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.replicas)
 
         o, plain = self.options, self.unwrap(model)
-        self.inner = build(plain.parameters())
+        self.inner = build(optimizer_params(plain, build))
         self.manager.register_state_dict_fn("default", self._load, self._state)
         self.manager.register_state_dict_fn("dtlab", self._load_step, lambda: {"step": self.step})
         pieces = fragment_modules(plain, o.fragments)

@@ -49,7 +49,7 @@ from torch import nn
 from dtlab.core.config import RunConfig
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
-from dtlab.core.job import OptimizerFactory
+from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.progress import report
 from dtlab.core.registry import AgentPlan, TierSpec
 from dtlab.core.results import atomic_write
@@ -238,7 +238,7 @@ class Strategy(ddp.Strategy):
         self.optimizer: torch.optim.Optimizer | None = None
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        optimizer = build(model.parameters())
+        optimizer = build(optimizer_params(model, build))
         self.model, self.optimizer = model, optimizer
         self.start_step = self._resume(model, optimizer)
         emit("resume" if self.start_step else "begin", step=self.start_step,

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtlab.core import muon
 from dtlab.core.compat import fsdp_default_comms
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
@@ -250,7 +251,7 @@ class Strategy(base.Strategy):
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.fsdp_muon)
-            optimizer: torch.optim.Optimizer = fsdp_muon.LayerwiseMuon(model.parameters(), **build.keywords)
+            optimizer: torch.optim.Optimizer = fsdp_muon.LayerwiseMuon(muon.param_groups(model), **build.keywords)
         else:
             optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice
         # > 0 after resume_from: the loop starts after the step the checkpoint was saved at

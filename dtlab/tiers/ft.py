@@ -39,7 +39,7 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
-from dtlab.core.job import OptimizerFactory
+from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.registry import ReplicaPlan, TierSpec
 from dtlab.core.replica import identity
 from dtlab.core.replica import timeouts as replica_timeouts
@@ -73,6 +73,8 @@ def plan(cfg: RunConfig) -> ReplicaPlan:
 class Strategy(base.Strategy):
     """torchft's DDP and optimizer wrapper around the unchanged model; a step is repeated until committed."""
 
+    params_on_every_rank = True  # the groups' agreement is checked on every rank of each
+
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
         super().__init__(cfg, info)
         self.ident = identity()
@@ -100,7 +102,7 @@ class Strategy(base.Strategy):
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         import torchft.optim  # lazy: see wrap
 
-        self.inner = build(self.unwrap(model).parameters())
+        self.inner = build(optimizer_params(self.unwrap(model), build))
         self.manager.register_state_dict_fn("default", self._load, self._state)
         wrapped = torchft.optim.OptimizerWrapper(self.manager, self.inner)
         if self.ident.attempt == 0:

@@ -54,17 +54,24 @@ class Options:
     sequence_parallel: bool = False  # norms and residuals split along the sequence: all-gather/reduce-scatter
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (charformer)
     decomposed_mlp: bool = False  # MLP pairs as ring-decomposed GEMMs (tp tier only; dtlab.tiers.tp_ring)
+    # False: the decomposed ring waits for each transfer before the next chunk computes. The same bytes and
+    # arithmetic with nothing under the transfers: the control that shows what the overlap is, and that its
+    # measurement (dtlab.read.overlap) reads about 0 where nothing can overlap
+    ring_overlap: bool = True
 
 
 def validate_model(cfg: RunConfig, tp: int, name: str) -> None:
     """What cannot be split over ``tp`` ranks, named."""
     o = cfg.tier_options
-    for field in ("sequence_parallel", "loss_parallel", "decomposed_mlp"):
+    for field in ("sequence_parallel", "loss_parallel", "decomposed_mlp", "ring_overlap"):
         if not isinstance(getattr(o, field), bool):
             raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: must be True or False")
     if o.decomposed_mlp and cfg.tier != "tp":
         raise ValueError(f"{name}.decomposed_mlp=True is invalid: the {cfg.tier} tier shards the MLP with "
                          "DTensor; the decomposed MLP runs on the tp tier")
+    if not o.ring_overlap and not o.decomposed_mlp:
+        raise ValueError(f"{name}.ring_overlap=False is invalid without decomposed_mlp=True: only the decomposed "
+                         "MLP passes partial sums round a ring")
     if o.decomposed_mlp and o.sequence_parallel:
         raise ValueError(f"{name}.decomposed_mlp=True is invalid with sequence_parallel=True: the decomposed pair "
                          "takes whole rows in and gives whole rows out")
@@ -207,7 +214,7 @@ class Strategy(base.Strategy):
         model = parallelize(model, mesh, self.options)
         if self.options.decomposed_mlp:
             self._group = mesh.get_group()
-            self.sliced = decompose_mlps(model, Ring(self._group))
+            self.sliced = decompose_mlps(model, Ring(self._group, overlap=self.options.ring_overlap))
         self.shards = shard_table(model)
         for name, dim in self.sliced.items():  # plain tensors holding this rank's slice
             self.shards[name]["placements"] = [f"Shard({dim})"]

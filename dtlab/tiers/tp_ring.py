@@ -31,8 +31,8 @@ __all__ = ["Ring", "decompose", "gather_slices", "ring_all_gather", "ring_reduce
 class Ring:
     """This rank's place in a process group seen as a ring: who it sends to and receives from."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, group: Any, overlap: bool = True) -> None:
+        self.group, self.overlap = group, overlap  # overlap=False: the control, see ring_reduce_scatter
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
@@ -47,16 +47,27 @@ class Ring:
 
 def ring_reduce_scatter(partial: Callable[[int], torch.Tensor], ring: Ring) -> torch.Tensor:
     """Chunk ``ring.rank`` of ``sum over ranks of partial(chunk)``: each step's ``partial`` runs while the previous
-    running sum travels to the next rank."""
+    running sum travels to the next rank.
+
+    With ``ring.overlap`` False each transfer is waited for before the chunk computes (issue, wait, compute):
+    the same sums, nothing under the transfers.
+    """
     n, r = ring.world, ring.rank
     running = partial((r - 1) % n)
     for s in range(1, n):
         works, incoming = ring.shift(running)
-        mine = partial((r - s - 1) % n)  # computes while the transfer is in flight
-        for w in works:
-            w.wait()
+        if not ring.overlap:  # the control: the transfer is over before the chunk computes
+            _wait(works)
+        mine = partial((r - s - 1) % n)  # computes while the transfer is in flight (unless waited for above)
+        if ring.overlap:
+            _wait(works)
         running = mine + incoming
     return running
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
 
 
 def ring_all_gather(chunk: torch.Tensor, ring: Ring) -> torch.Tensor:

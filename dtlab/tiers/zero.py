@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dtlab.core.config import RunConfig
-from dtlab.core.job import OptimizerFactory
+from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.registry import TierSpec
 from dtlab.tiers import ddp
 
@@ -42,7 +42,8 @@ def validate(cfg: RunConfig) -> None:
 class Strategy(ddp.Strategy):
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         # build is functools.partial(OptimizerClass, lr=...): ZeRO needs the class and its arguments.
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=build.func,
+        # under Muon its two groups: ZeRO deals out the first group, then the second (the estimate follows)
+        return ZeroRedundancyOptimizer(optimizer_params(model, build), optimizer_class=build.func,
                                        parameters_as_bucket_view=self.options.parameters_as_bucket_view,
                                        **build.keywords)
 

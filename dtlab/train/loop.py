@@ -165,7 +165,8 @@ class _Loop:
         return RankResult(
             rank=self.info.rank, steps=self.steps, memory=self.memory, events=self.recorder.rows(),
             phases=self.recorder.phase_rows(), params_checksum=checksum,
-            params=params_to_bytes(state) if self.info.is_main else None, evaluation=evaluation,
+            params=params_to_bytes(state) if self.info.is_main or self.strategy.params_on_every_rank else None,
+            evaluation=evaluation,
             strategy=self.strategy.describe(), provenance=provenance(self.info.backend, self.cfg.resolved_threads),
         )
 

@@ -2,7 +2,7 @@
 
 Each replica group is a world of its own, so its ranks number themselves from
 0; the run renumbers them (replica x ranks_per_replica + rank), in the ranks'
-results and in their recorded events, and checks whether every group finished
+results and in their recorded events, and checks whether every rank of every group finished
 holding the same parameters (``replicas_max_param_diff`` in every rank's
 ``strategy``: 0.0 for torchft's per-step averaging after any fault; NaN when a
 group did not finish, so that a check for 0.0 fails).
@@ -52,7 +52,7 @@ def run_replicas(cfg: RunConfig, plan: ReplicaPlan, network: tuple[str, str], *,
                         stop=stop, timeouts=replica_timeouts(plan.timeouts))
     ranks = [_globalised(r, plan.ranks_per_replica) for r in out.values]
     result = RunResult(cfg, sorted(ranks, key=lambda r: r.rank), time.perf_counter() - start, out.logs, out.events)
-    agreement = replica_agreement(result, plan.replicas)
+    agreement = replica_agreement(result, plan.replicas, plan.ranks_per_replica)
     for rank in result.ranks:
         rank.strategy.update(network=where, link_mbit=plan.link_mbit if where == "netns" else 0.0,
                              replicas_finished=sorted({r.strategy["replica"] for r in result.ranks}),
@@ -69,16 +69,21 @@ def _globalised(rank: RankResult, ranks_per_replica: int) -> RankResult:
     return rank
 
 
-def replica_agreement(result: RunResult, replicas: int) -> float:
-    """The largest parameter difference between replica group 0 and every other of the ``replicas`` groups.
+def replica_agreement(result: RunResult, replicas: int, ranks_per_replica: int = 1) -> float:
+    """The largest parameter difference between the first rank of replica group 0 and every rank of every group.
 
-    0.0: identical. NaN when fewer than ``replicas`` groups returned parameters: a group that did not finish
-    cannot agree, and NaN equals nothing, so ``agreement == 0.0`` fails instead of passing by default.
+    Every rank is compared, not one per group: a rank whose group-internal all-reduce went wrong would
+    differ from its own group's first rank while the groups' first ranks agree. 0.0: identical. NaN when a
+    group, or a rank of one (``ranks_per_replica`` each), returned no parameters: a group that did not
+    finish cannot agree, and NaN equals nothing, so ``agreement == 0.0`` fails instead of passing by default.
     """
-    held: dict[int, Any] = {}
-    for r in result.ranks:
-        if r.params is not None:
-            held.setdefault(int(r.strategy["replica"]), params_from_bytes(r.params))
-    if sorted(held) != list(range(replicas)):
+    held: dict[int, list[Any]] = {}
+    for r in sorted(result.ranks, key=lambda r: r.rank):
+        group = held.setdefault(int(r.strategy["replica"]), [])
+        group.append(None if r.params is None else params_from_bytes(r.params))
+    if sorted(held) != list(range(replicas)) or any(len(held[g]) != ranks_per_replica for g in held):
         return float("nan")
-    return max((max_param_diff(held[0], held[g]) for g in range(1, replicas)), default=0.0)
+    every = [p for g in range(replicas) for p in held[g]]
+    if any(p is None for p in every):
+        return float("nan")
+    return max((max_param_diff(every[0], p) for p in every[1:]), default=0.0)

@@ -22,7 +22,7 @@ from torch import nn
 
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import build_job, optimizer_factory
+from dtlab.core.job import build_job, make_optimizer
 from dtlab.launch.together import run_together
 from dtlab.tiers import pipeline
 
@@ -61,7 +61,7 @@ def stage_phases(cfg: RunConfig, repeats: int = REPEATS, ranks: int = 1) -> list
     out = []
     with threads(cfg.resolved_threads):
         for s, stage in enumerate(stages):
-            optimizer = optimizer_factory(cfg)(stage.parameters())
+            optimizer = make_optimizer(cfg, stage)
             out.append(_stage(stage, optimizer, x, y if s == len(stages) - 1 else None, repeats))
             x = stage(x).detach()
     return out

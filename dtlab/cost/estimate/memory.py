@@ -9,14 +9,14 @@ at their peak). Each tier's rule is a few lines, stated in its ``assumptions``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtlab.core.config import RunConfig
-from dtlab.core.muon import assign_owners, is_matrix
+from dtlab.core.muon import assign_owners, hidden_matrices
 from dtlab.cost.estimate import activations as acts
 from dtlab.cost.estimate import pipeline_walk
 from dtlab.cost.estimate.experts import RULES as EXPERT_RULES
@@ -30,27 +30,41 @@ from dtlab.tiers.pipeline_stages import MULTI_STAGE
 DDP_FAMILY = ("ddp", "multinode", "elastic")
 
 
-def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, rank: int) -> int:
-    """A rank's optimizer state under fsdp: Adam's moments of its rows; Muon's momentum of the whole matrices it
-    owns (``assign_owners``, as ``dtlab.tiers.fsdp_muon`` deals them) and AdamW's of its rows of the rest."""
+def hidden_ids(cfg: RunConfig, model: nn.Module) -> set[int]:
+    """The ids of the parameters Muon steps (``muon.hidden_matrices``); none under another optimizer."""
+    return {id(p) for p in hidden_matrices(model)} if cfg.optimizer == "muon" else set()
+
+
+def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, rank: int,
+                         hidden: Container[int] = frozenset()) -> int:
+    """A rank's optimizer state under fsdp: Adam's moments of its rows; Muon's momentum of the whole hidden
+    matrices (``hidden``: their ids) it owns (``assign_owners``, as ``dtlab.tiers.fsdp_muon`` deals them) and
+    AdamW's of its rows of the rest."""
     if cfg.optimizer == "adam":
         return sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params)
     if cfg.optimizer != "muon":
         return 0
-    matrices = [t for t in params if is_matrix(t)]
+    matrices = [t for t in params if id(t) in hidden]
     owners = assign_owners([t.numel() for t in matrices], n)
     owned = sum(nbytes(t) for t, o in zip(matrices, owners) if o == rank)
-    return owned + sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params if not is_matrix(t))
+    return owned + sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params if id(t) not in hidden)
 
 
 def zero_partition(params: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
     """ZeroRedundancyOptimizer's partition: largest first, each to the rank holding the fewest elements."""
+    return zero_partition_groups([params], world)
+
+
+def zero_partition_groups(groups: Sequence[Sequence[torch.Tensor]], world: int) -> list[list[torch.Tensor]]:
+    """The partition of several parameter groups: ZeroRedundancyOptimizer deals out one group after the other,
+    largest first within each, every parameter to the rank holding the fewest elements so far (of any group)."""
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
     sizes = [0] * world
-    for p in sorted(params, key=lambda t: t.numel(), reverse=True):
-        rank = sizes.index(min(sizes))
-        out[rank].append(p)
-        sizes[rank] += p.numel()
+    for group in groups:
+        for p in sorted(group, key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            out[rank].append(p)
+            sizes[rank] += p.numel()
     return out
 
 
@@ -63,7 +77,7 @@ def replicated(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMem
     params = list(model.parameters())
     p = sum(nbytes(t) for t in params)
     micro = cfg.per_rank_batch // accumulation(cfg)
-    memory = {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(cfg, params),
+    memory = {"parameters": p, "gradients": p, "optimizer_state": optimizer_bytes(cfg, params, hidden_ids(cfg, model)),
               "activations": acts.activation_bytes(cfg, s, micro), "comm_buffers": 0}
     notes = [f"activations of one micro-batch of {micro} samples (the first step's first, as measured)"]
     opts = cfg.tier_options
@@ -77,8 +91,12 @@ def replicated(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMem
 def zero(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
     """DDP, with Adam's state split by ZeroRedundancyOptimizer's greedy partition of whole parameters."""
     ranks = replicated(cfg, model, s)
-    for r, mine in zip(ranks, zero_partition(list(model.parameters()), cfg.world_size)):
-        r.memory["optimizer_state"] = optimizer_bytes(cfg, mine)
+    hidden = hidden_ids(cfg, model)
+    params = list(model.parameters())
+    # as dtlab.tiers.zero builds it: under Muon the hidden matrices' group is dealt out first (muon.param_groups)
+    groups = [g for g in ([p for p in params if id(p) in hidden], [p for p in params if id(p) not in hidden]) if g]
+    for r, mine in zip(ranks, zero_partition_groups(groups, cfg.world_size)):
+        r.memory["optimizer_state"] = optimizer_bytes(cfg, mine, hidden)
         r.assumptions.append("optimizer state: whole parameters dealt out largest first to the emptiest rank")
     return ranks
 
@@ -96,9 +114,10 @@ def fsdp(cfg: RunConfig, model: nn.Module, s: acts.Shapes) -> list[RankMemory]:
              "optimizer's moments take the unpadded rows (the last ranks may hold fewer)",
              "comm_buffers: the unsharded parameters held at once while the forward runs"]
     if cfg.optimizer == "muon":
-        notes.append("Muon: each 2-D weight's momentum whole on the rank that owns it (largest first, to the "
+        notes.append("Muon: each hidden matrix's momentum whole on the rank that owns it (largest first, to the "
                      "least loaded rank); AdamW's moments of the rows of the rest")
-    return [RankMemory(r, memory | {"optimizer_state": fsdp_optimizer_bytes(cfg, params, n, r % n)}, notes)
+    hidden = hidden_ids(cfg, model)
+    return [RankMemory(r, memory | {"optimizer_state": fsdp_optimizer_bytes(cfg, params, n, r % n, hidden)}, notes)
             for r in range(cfg.world_size)]
 
 

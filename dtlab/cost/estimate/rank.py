@@ -6,13 +6,12 @@ import these without importing ``memory``, which imports them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from dtlab.core.config import RunConfig
-from dtlab.core.muon import is_matrix
 
 __all__ = ["ADAM_STEP_BYTES", "RankMemory", "nbytes", "optimizer_bytes"]
 
@@ -36,11 +35,12 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor]) -> int:
+def optimizer_bytes(cfg: RunConfig, params: Iterable[torch.Tensor], hidden: Container[int] = frozenset()) -> int:
     """Adam keeps two moments the size of each parameter and a step; plain SGD (no momentum) keeps nothing;
-    Muon keeps one momentum per 2-D weight and AdamW's moments and step for the rest."""
+    Muon keeps one momentum per hidden matrix (``hidden``: their ids, ``muon.hidden_matrices``) and AdamW's
+    moments and step for the rest."""
     if cfg.optimizer == "muon":
-        return sum(nbytes(p) if is_matrix(p) else 2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
+        return sum(nbytes(p) if id(p) in hidden else 2 * nbytes(p) + ADAM_STEP_BYTES for p in params)
     if cfg.optimizer != "adam":
         return 0
     return sum(2 * nbytes(p) + ADAM_STEP_BYTES for p in params)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from dtlab.core import models
 from dtlab.core.config import RunConfig
-from dtlab.core.job import load_data, optimizer_factory, routing, torch_dtype
+from dtlab.core.job import load_data, optimizer_factory, optimizer_params, routing, torch_dtype
 from dtlab.core.moe import even_assign, routing_of
 from dtlab.cost.roofline.model import GEMM, MEMORY, Op
 
@@ -146,7 +146,7 @@ def count_ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     (``models.training_loss``), backward, ``make_optimizer``'s step and ``zero_grad``; with ``data`` (the
     data set's inputs and targets), also the batch's gathering from it by index, as dtlab's loop does.
     Real or fake tensors alike (nothing is timed). ``precision`` ``bf16``: forward and loss under CPU autocast."""
-    optimizer = make_optimizer(model.parameters())
+    optimizer = make_optimizer(optimizer_params(model, make_optimizer))
     counter = _Counter()
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     idx = torch.arange(len(x))
