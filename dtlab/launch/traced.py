@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import math
 import os
 import pickle
@@ -123,6 +124,7 @@ def _install_hooks(trace: _Trace) -> None:
     by_optimizer = os.environ.get(STEP_ENV, "optimizer") != "marker"
 
     def pre(optimizer: Any, *_: Any) -> None:
+        trace.first_forward()  # a script whose model is no nn.Module still starts its first step here
         trace.opt_start = time.perf_counter()
 
     def post(optimizer: Any, *_: Any) -> None:
@@ -196,9 +198,10 @@ def main(argv: list[str]) -> int:
         return 2
     folder = os.environ[DIR_ENV]
     # torchrun's workers live in sessions of their own: nothing else reaches them once their agent was killed.
-    from_agent = "TORCHELASTIC_RUN_ID" in os.environ
-    if from_agent:
-        lifeline.die_with_parent()
+    # A worker whose agent died before this line exits (its parent is no longer the agent dtlab started).
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        expected = os.environ.get(lifeline.LIFELINE_PID_ENV, "")
+        lifeline.die_with_parent(int(expected) if expected.isdigit() else None)
     rank = int(os.environ.get("RANK", 0))
     _trace = trace = _Trace(rank)
     _patch_process_group(trace)
@@ -225,4 +228,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # Run as the package's module, not as this ``__main__`` copy: the script's ``dtlab.trace_step()`` finds the
+    # trace in ``dtlab.launch.traced``, and the script itself becomes ``__main__``.
+    sys.exit(importlib.import_module("dtlab.launch.traced").main(sys.argv[1:]))
