@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -172,4 +174,41 @@ def test_every_process_the_trace_started_ends_when_it_is_killed(tmp_path):
         cli_proc.kill()
         cli_proc.wait()
     gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+
+
+STUCK = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(4))
+print("ready", flush=True)
+if dist.get_rank() == 1:
+    time.sleep(600)  # never reaches the all-reduce rank 0 waits in
+dist.all_reduce(torch.ones(4))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_hang_saves_what_the_ranks_recorded_and_names_the_rank(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    out = tmp_path / "out"
+    cli_proc = subprocess.Popen([sys.executable, "-m", "dtlab", "trace", "--out", str(out), "--flight-recorder",
+                                 "--", "torchrun", "--standalone", "--nproc-per-node", "2", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).parents[1])
+    try:
+        assert cli_proc.stdout.readline().strip() == "ready"
+        family = psutil.Process(cli_proc.pid).children(recursive=True)
+        time.sleep(1.0)  # rank 0 is inside its second all-reduce
+        cli_proc.send_signal(signal.SIGINT)
+        _, err = cli_proc.communicate(timeout=60)
+    finally:
+        cli_proc.kill()
+    assert cli_proc.returncode == 130, err
+    assert "stopped (Ctrl-C)" in err and "rank 1 never issued all_reduce #2" in err, err
+    ev = pd.read_csv(out / "events.csv")
+    assert list(ev.loc[ev["rank"] == 0, "op"]) == ["all_reduce", "all_reduce"]  # the one it waits in, too
+    assert list(ev.loc[ev["rank"] == 1, "op"]) == ["all_reduce"]
+    _, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]

@@ -213,7 +213,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return code or 1
     out, saved = save_result(result, args.out)
     if code != 0:
-        print(f"error: the traced command ended with exit code {code}", file=sys.stderr)
+        why = "was stopped (Ctrl-C)" if code == 130 else f"ended with exit code {code}"
+        print(f"error: the traced command {why}; what its ranks recorded is saved", file=sys.stderr)
         if result.flight:
             print(flight.report(result), file=sys.stderr)
     comm = result.comm_summary()

@@ -27,7 +27,7 @@ from dtlab.core.results import RankResult, RunResult
 from dtlab.launch import lifeline
 from dtlab.launch.flight import Dumps
 from dtlab.launch.torchrun import kill_session
-from dtlab.launch.traced import DIR_ENV, STEP_ENV, TIMEOUT_ENV
+from dtlab.launch.traced import DIR_ENV, STEP_ENV, STOP_REQUEST, TIMEOUT_ENV
 
 TORCHRUN = ("torchrun", "torch.distributed.run")
 # The dtlab this process runs: every rank must import the same one, wherever the script lives.
@@ -134,8 +134,9 @@ def run(user: list[str], *, flight_recorder: bool = False, step: str = "optimize
         flight_folder: Path | None = None) -> tuple[RunResult | None, int]:
     """Run ``user``'s command traced; (the gathered result, or None if no rank left one; its exit code).
 
-    Its output goes to this process's terminal, as it would untraced. Ctrl-C, or the end of this process,
-    ends torchrun, its agent and every rank."""
+    Its output goes to this process's terminal, as it would untraced. Ctrl-C ends torchrun, its agent and
+    every rank, after each rank has handed over what it recorded so far (exit code 130); the end of this
+    process ends them too (``dtlab.launch.lifeline``)."""
     traced = command(user)
     with lifeline.folder("dtlab-trace-") as work:
         dumps = Dumps(flight_recorder, flight_folder or work / "flight_recorder")
@@ -145,9 +146,8 @@ def run(user: list[str], *, flight_recorder: bool = False, step: str = "optimize
         stamp = lifeline.watch_process(proc.pid)
         try:
             code = proc.wait()
-        except KeyboardInterrupt:
-            kill_session(proc)
-            raise
+        except KeyboardInterrupt:  # a hang, stopped by hand: keep what the ranks recorded, then end them
+            code = _stop(work, dumps, traced.world_size)
         finally:
             kill_session(proc)  # whatever it left running (a rank its agent did not stop)
             lifeline.forget_process(proc.pid, stamp)
@@ -157,6 +157,17 @@ def run(user: list[str], *, flight_recorder: bool = False, step: str = "optimize
         config = TraceConfig(traced.script, traced.world_size, max(len(r.steps) for r in ranks), tuple(user),
                              flight_recorder=flight_recorder)
         return RunResult(config, ranks, time.perf_counter() - started, flight=dumps.collect()), code
+
+
+def _stop(work: Path, dumps: Dumps, world_size: int, wait_s: float = 10.0) -> int:
+    """Ask every rank for its record so far and its Flight Recorder dump; wait (at most ``wait_s``: a dump on a
+    loaded machine takes seconds) for them. The exit code of a run stopped by Ctrl-C (130, as a shell reports it)."""
+    (work / STOP_REQUEST).write_text(str(time.time_ns()))
+    dumps.request(range(world_size), wait_s=wait_s)
+    deadline = time.monotonic() + wait_s
+    while len(list(work.glob("rank*.pkl"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 130
 
 
 def _ranks(work: Path) -> list[RankResult]:

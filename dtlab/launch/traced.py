@@ -30,6 +30,7 @@ import pickle
 import runpy
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ from dtlab.launch import flight, lifeline
 DIR_ENV = "DTLAB_TRACE_DIR"
 STEP_ENV = "DTLAB_TRACE_STEP"  # "optimizer" (default) or "marker"
 TIMEOUT_ENV = "DTLAB_TRACE_TIMEOUT"
+STOP_REQUEST = "stop-request"  # the launcher, stopped (Ctrl-C), asks for what each rank has recorded so far
 
-__all__ = ["DIR_ENV", "STEP_ENV", "TIMEOUT_ENV", "main", "rank_path", "step"]
+__all__ = ["DIR_ENV", "STEP_ENV", "STOP_REQUEST", "TIMEOUT_ENV", "main", "rank_path", "step"]
 
 
 def rank_path(folder: str | os.PathLike[str], rank: int) -> Path:
@@ -95,12 +97,15 @@ class _Trace:
         self.recorder.step = step + 1
         self.step_start, self.opt_start, self.loss = now, None, math.nan
 
-    def write(self, folder: str) -> None:
-        """This rank's RankResult, once (at exit, or before a signal ends the process)."""
+    def write(self, folder: str, stop: bool = True) -> None:
+        """This rank's RankResult, once (at exit, before a signal ends the process, or when the launcher asks).
+        ``stop=False`` leaves the recorder's kernels in place: a thread must not remove them while the main
+        thread may be inside one."""
         if self.written:
             return
         self.written = True
-        self.recorder.stop()
+        if stop:
+            self.recorder.stop()
         device = torch.device("cuda") if torch.cuda.is_available() and torch.cuda.is_initialized() else \
             torch.device("cpu")
         memory = {**self.memory, **peak_process_bytes(device)}
@@ -178,6 +183,15 @@ def _on_exit(trace: _Trace, folder: str) -> None:
     trace.write(folder)
 
 
+def _watch_stop(trace: _Trace, folder: str) -> None:
+    """Write what this rank has so far once the launcher asks: from a thread, since the main thread may sit in
+    a collective that never completes (a hang), where neither a signal handler nor atexit would run."""
+    request = Path(folder) / STOP_REQUEST
+    while not request.exists():
+        time.sleep(0.05)
+    trace.write(folder, stop=False)
+
+
 def _arm_signals(trace: _Trace, folder: str) -> None:
     """torchrun's agent stops the survivors of a failed rank with SIGTERM: dump, write, then die of it."""
 
@@ -207,6 +221,7 @@ def main(argv: list[str]) -> int:
     _patch_process_group(trace)
     _install_hooks(trace)
     flight.arm(rank)
+    threading.Thread(target=_watch_stop, args=(trace, folder), name="dtlab-trace-stop", daemon=True).start()
     _arm_signals(trace, folder)
     atexit.register(_on_exit, trace, folder)
     trace.start()
