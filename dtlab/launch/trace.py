@@ -17,7 +17,7 @@ import pickle
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class TraceConfig:
     tier: str = "trace"
     global_batch_size: int = 0  # unknown: the script chooses it
     flight_recorder: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "model": self.script, "dataset": "", "world_size": self.world_size,
@@ -154,7 +153,9 @@ def run(user: list[str], *, flight_recorder: bool = False, step: str = "optimize
         ranks = _ranks(work)
         if not ranks:
             return None, code or 1
-        config = TraceConfig(traced.script, traced.world_size, max(len(r.steps) for r in ranks), tuple(user),
+        # torchrun's --nproc-per-node may be "gpu" or "auto": the ranks that reported say how many there were
+        world = max(traced.world_size, ranks[-1].rank + 1)
+        config = TraceConfig(traced.script, world, max(len(r.steps) for r in ranks), tuple(user),
                              flight_recorder=flight_recorder)
         return RunResult(config, ranks, time.perf_counter() - started, flight=dumps.collect()), code
 

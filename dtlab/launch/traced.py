@@ -177,8 +177,10 @@ def _patch_process_group(trace: _Trace) -> None:
 
 
 def _on_exit(trace: _Trace, folder: str) -> None:
-    if not trace.written and os.environ.get(flight.DIR_ENV) and not flight.dump_path(
-            os.environ[flight.DIR_ENV], trace.rank).exists():
+    """At the script's end: its Flight Recorder dump, unless it already left one (an error's, or the one taken as
+    it destroyed its process group), then its record."""
+    fr_folder = os.environ.get(flight.DIR_ENV)
+    if fr_folder and not trace.written and not flight.dump_path(fr_folder, trace.rank).exists():
         flight.dump(trace.rank, "end")
     trace.write(folder)
 
