@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "launch": ("dtlab.launch.local", "launch"),
     "shutdown": ("dtlab.launch.local", "shutdown"),
     "run": ("dtlab.train.runner", "run"),
+    "trace_step": ("dtlab.launch.traced", "step"),  # a step's end, in a script run by ``dtlab trace --step marker``
     "tiers": ("dtlab.tiers", None),
     "widgets": ("dtlab.app.widgets", None),  # ipywidgets is a notebook extra
     "exercises": ("dtlab.exercises", None),
@@ -75,6 +76,7 @@ __all__ = [
     "scratch_folder",
     "shutdown",
     "tiers",
+    "trace_step",
 ]
 
 

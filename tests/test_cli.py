@@ -244,7 +244,8 @@ import sys
 from dtlab.app import cli
 import dtlab
 lines = [["--help"], ["run", "--help"], ["run", "--no-such-flag"], ["run", "--tier", "no-such-tier"],
-         ["run", "--tier", "ddp", "--steps", "0"], ["compare", "--tiers", "ddp,nope"], ["cluster", "--help"]]
+         ["run", "--tier", "ddp", "--steps", "0"], ["compare", "--tiers", "ddp,nope"], ["cluster", "--help"],
+         ["trace", "--help"]]
 for argv in lines:
     try:
         code = cli.main(argv)
@@ -260,7 +261,7 @@ def test_help_and_a_bad_flag_are_answered_before_torch_or_a_tier_is_imported():
     answers = [line.split(" ", 3)[1:] for line in done.stdout.splitlines() if line.startswith("@@ ")]
     assert [(flag, code) for flag, code, _ in answers] == [
         ("--help", "0"), ("--help", "0"), ("--no-such-flag", "2"), ("no-such-tier", "2"), ("0", "2"),
-        ("ddp,nope", "2"), ("--help", "0")]
+        ("ddp,nope", "2"), ("--help", "0"), ("--help", "0")]
     assert {loaded for *_, loaded in answers} == {"[]"}, done.stdout
     assert "--tiers: RunConfig.tier='nope' is invalid" in done.stderr
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dtlab run | compare | estimate | bench | exercises | cluster | clean``.
+"""Command line: ``python -m dtlab run | compare | estimate | bench | exercises | cluster | trace | clean``.
 
 This module only parses: it imports neither torch nor a tier, so ``--help`` and a
 line that does not parse are answered at once. What a command does is in
@@ -84,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after the run: gather WORKDIR's results and write result.json etc. there")
     flags.add_job_args(p_cl)
     p_cl.set_defaults(func="cmd_cluster")
+    p_tr = sub.add_parser("trace", help="run an unmodified torchrun (or python) script with dtlab's recorder in "
+                          "every rank and write a run's folder: dtlab trace -- torchrun --nproc-per-node 2 train.py")
+    p_tr.add_argument("--out", default="results/trace", help="output folder")
+    p_tr.add_argument("--flight-recorder", action="store_true",
+                      help="PyTorch's Flight Recorder in every rank: a hang's report names the rank and the collective")
+    p_tr.add_argument("--timeout", type=float, default=0.0,
+                      help="seconds a collective may wait, for a process group the script starts without a timeout "
+                           "(0: torch's default)")
+    p_tr.add_argument("--step", default="optimizer", choices=("optimizer", "marker"),
+                      help="where a step ends: each optimizer step() (default), or each call the script makes to "
+                           "dtlab.launch.traced.step()")
+    p_tr.add_argument("traced", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                      help="torchrun ... SCRIPT ARGS, python -m torch.distributed.run ..., or python SCRIPT ARGS")
+    p_tr.set_defaults(func="cmd_trace")
     p_clean = sub.add_parser("clean", help="remove the temporary folders, network namespaces and links of runs whose "
                              "process died (a killed kernel's, if even its reaper was killed)")
     p_clean.set_defaults(func="cmd_clean")

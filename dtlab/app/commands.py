@@ -23,7 +23,7 @@ from dtlab.core.results import FLIGHT_DIR, RunResult
 from dtlab.cost import estimate
 from dtlab.cost.links.alpha_beta import LinkModel
 from dtlab.experiments.compare import compare, format_table, save_comparison
-from dtlab.launch import cluster, lifeline, netns
+from dtlab.launch import cluster, lifeline, netns, trace
 from dtlab.read import flight
 from dtlab.train import preflight, run
 
@@ -197,6 +197,33 @@ def cmd_exercises(args: argparse.Namespace) -> int:
     print("\nIn a notebook: from dtlab import exercises; exercises.check(NAME, your_function) "
           "(ddp_script: the path of your script)")
     return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """``trace``: an unmodified script run with the recorder in every rank; its folder written as a run's."""
+    user = args.traced[1:] if args.traced[:1] == ["--"] else args.traced
+    trace.command(user)  # a command or script that will not run is one line, before anything starts
+    if args.timeout < 0:
+        raise ValueError(f"--timeout {args.timeout:g}: give seconds > 0 (or 0 for torch's default)")
+    check_writable(args.out, "--out")
+    result, code = trace.run(user, flight_recorder=args.flight_recorder, step=args.step, timeout_s=args.timeout)
+    if result is None:
+        print(f"error: the traced command ended with exit code {code} before any rank left a result "
+              "(see its output above)", file=sys.stderr)
+        return code or 1
+    out, saved = save_result(result, args.out)
+    if code != 0:
+        why = "was stopped (Ctrl-C)" if code == 130 else f"ended with exit code {code}"
+        print(f"error: the traced command {why}; what its ranks recorded is saved", file=sys.stderr)
+        if result.flight:
+            print(flight.report(result), file=sys.stderr)
+    comm = result.comm_summary()
+    per_step = ", ".join(f"{op} {c['bytes_per_step']:.0f} B" for op, c in comm.items() if c["calls_per_step"])
+    print(f"{result.config.script} x{result.config.world_size}: {result.config.steps} step(s), "
+          f"median step {result.median_step_s() * 1e3:.2f} ms; per step on rank 0: {per_step or 'no collective'}")
+    print(f"wrote {out}/result.json, events.csv, steps.csv, trace.json" + (f", {FLIGHT_DIR}/rank_*" if result.flight
+                                                                            else ""))
+    return code or (0 if saved else 1)
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
