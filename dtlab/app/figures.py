@@ -44,9 +44,14 @@ FT_RECOVERY = "python benchmarks/ft_recovery.py"
 ROOFLINE = "python -m dtlab.cost.roofline"
 GOODPUT = "python -m dtlab.experiments.goodput"  # writes into results/goodput
 PLANNER = "python -m dtlab.cost.planner.validate --out results/planner"
+BUSY = "python -m dtlab.app.busy --hogs 4 --out results/busy"
+RECORDER_COST = "python -m dtlab.experiments.recorder_cost --out results/recorder_cost --docs"
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
+    "docs/figures/busy_notebooks.png": Figure(BUSY, "results/busy/busy_notebooks.png"),
+    "docs/figures/busy_notebooks.csv": Figure(BUSY, "results/busy/busy_notebooks.csv"),
+    "docs/figures/recorder_cost.csv": Figure(RECORDER_COST, "results/recorder_cost/recorder_cost.csv"),
     "docs/figures/demo_speedup.png": Figure(DEMO_COMPARE, "results/demo/speedup.png"),
     "docs/figures/demo_breakdown.png": Figure(DEMO_COMPARE, "results/demo/breakdown.png"),
     "docs/figures/demo_memory.png": Figure(DEMO_COMPARE, "results/demo/memory.png"),
