@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from dtlab import tiers
-from dtlab.app import commands, saving
+from dtlab.app import commands, flags, saving
 from dtlab.app.cli import main
 from dtlab.core import options
 from dtlab.core.results import RunResult, load_params
+from dtlab.cost import estimate as estimate_module
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 
@@ -184,16 +185,16 @@ def test_every_option_of_every_tier_can_be_given_on_the_command_line(tier):
     defaults = spec.options()
     for field in dataclasses.fields(spec.options):
         for value in _option_values(getattr(defaults, field.name)):
-            given = commands.tier_options(tier, [f"{field.name}={options.format(value)}"])
+            given = flags.tier_options(tier, [f"{field.name}={options.format(value)}"])
             assert getattr(given, field.name) == value and type(getattr(given, field.name)) is type(value), field
     for raw in ("true", "True", "1", "yes", "false", "0", "no", "NO"):  # every bool spelling
         assert options.parse("bool", raw) is (raw.lower() in ("true", "1", "yes"))
 
 
 def test_a_tuple_option_adds_up_over_repeated_opts():
-    o = commands.tier_options("elastic", ["faults=sigkill:7:1", "faults=exception:12:0,oom:3"])
+    o = flags.tier_options("elastic", ["faults=sigkill:7:1", "faults=exception:12:0,oom:3"])
     assert o.faults == ("sigkill:7:1", "exception:12:0", "oom:3")
-    assert commands.tier_options("elastic", ["faults="]).faults == ()
+    assert flags.tier_options("elastic", ["faults="]).faults == ()
 
 
 def test_compare_reports_parity_for_each_tier(tmp_path, capsys):
@@ -229,7 +230,7 @@ def test_estimate_passes_compute_and_refuses_it_without_a_link(monkeypatch, caps
         seen.update(link=link, compute=compute)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(commands.estimate, "estimate", fake)
+    monkeypatch.setattr(estimate_module, "estimate", fake)
     assert main(["estimate", "--tier", "ddp", "--world-size", "2", "--link", "200", "--compute", "predicted"]) == 2
     assert seen["compute"] == "predicted" and seen["link"] is not None
     capsys.readouterr()
@@ -277,3 +278,15 @@ def test_the_registry_names_every_tier_without_importing_one_and_each_module_dec
     assert set(registry.CLUSTER) <= set(registry.COURSE)
     with pytest.raises(ValueError, match="unknown tier 'nope': choose one of single, dp"):
         registry.get("nope")
+
+
+def test_the_front_door_figures_the_docs_quote_are_the_committed_results():
+    root = Path(__file__).resolve().parents[1]
+    rows = pd.read_csv(root / "docs" / "figures" / "front_door.csv")
+    medians = rows[rows["round"] >= 0].groupby("variant")["seconds"].median()
+    torch_free = medians.drop(["python -c pass", "a bad --opt (imports the tier)"])
+    page = (root / "docs" / "measurement.md").read_text()
+    assert torch_free.max() <= 1.0 and rows["round"].max() + 1 >= 10
+    assert f"the slowest of them, `{torch_free.idxmax()}`, answered in a median of {torch_free.max():.3f} s" in page
+    assert f"`python -c pass`\n{medians['python -c pass']:.3f} s" in page
+    assert f"so torch and that tier: {medians['a bad --opt (imports the tier)']:.2f} s" in page

@@ -117,9 +117,14 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """The checks every tier shares, on the flags as given: a wrong one is named before torch is imported."""
-    for tier, world_size in _jobs(args):
+    """The checks every tier shares, on the flags as given: a wrong one is named before torch is imported.
+    Then each ``--opt`` against its tier's options, which imports that tier alone (and torch)."""
+    jobs = _jobs(args)
+    for tier, world_size in jobs:
         check_fields(SimpleNamespace(**flags.job_fields(args, tier, world_size)))
+    if getattr(args, "opt", None) and args.command != "compare":  # compare refuses --opt itself
+        for tier in dict.fromkeys(tier for tier, _ in jobs):
+            flags.tier_options(tier, args.opt)
 
 
 def main(argv: list[str] | None = None) -> int:

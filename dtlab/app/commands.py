@@ -7,20 +7,18 @@ a line that does not parse are answered before any of them is imported.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
 
-from dtlab import exercises, tiers
 from dtlab.app import flags
 from dtlab.app.bench import BENCH_DOC, run_all, update_doc
 from dtlab.app.saving import check_writable, fallback, save_result
-from dtlab.core import options
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
 from dtlab.core.failures import RankError
 from dtlab.core.results import FLIGHT_DIR, RunResult
-from dtlab.cost import estimate
 from dtlab.cost.links.alpha_beta import LinkModel
 from dtlab.experiments.compare import compare, format_table, save_comparison
 from dtlab.launch import cluster, lifeline, netns, trace
@@ -28,31 +26,8 @@ from dtlab.read import flight
 from dtlab.train import preflight, run
 
 
-def tier_options(tier: str, pairs: list[str]) -> Any:
-    """Build the tier's Options from ``--opt KEY=VALUE`` strings (converted by ``dtlab.core.options``).
-
-    A tuple option takes comma-separated values (``--opt faults=sigkill:7:1,exception:12:0``); given
-    twice, its values add up. Anything that does not fit is one line naming ``--opt`` and the field.
-    """
-    spec = tiers.get(tier)
-    known = options.fields(spec.options)
-    values: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in known:
-            what = "is not KEY=VALUE" if not sep else f"tier {tier!r} has no option {key!r}"
-            raise ValueError(f"--opt {pair}: {what}; it takes: {', '.join(known) or 'no options'}")
-        try:
-            value = options.parse(known[key], raw, key)
-        except options.OptionError as exc:
-            raise ValueError(f"--opt {exc}") from None
-        values[key] = values.get(key, ()) + value if known[key] == "tuple" else value
-    return spec.options(**values)
-
-
 def config_from_args(args: argparse.Namespace, tier: str, world_size: int) -> RunConfig:
-    return RunConfig(**flags.job_fields(args, tier, world_size), tier_options=tier_options(tier, args.opt))
+    return RunConfig(**flags.job_fields(args, tier, world_size), tier_options=flags.tier_options(tier, args.opt))
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -173,6 +148,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     link = parse_link(args.link) if args.link else None
     if args.compute != "timed" and link is None:
         raise ValueError(f"--compute {args.compute}: the compute is priced only with --link (a step time)")
+    estimate = importlib.import_module("dtlab.cost.estimate")  # pandas and fake tensors: for this command only
     est = estimate.estimate(config_from_args(args, args.tier, args.world_size), link, compute=args.compute)
     if args.json:
         print(est.to_json())
@@ -189,6 +165,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_exercises(args: argparse.Namespace) -> int:
     """``exercises``: each exercise's name and first sentence; with a name, its whole description."""
+    exercises = importlib.import_module("dtlab.exercises")  # every checker (the planner's op counts among them)
     if args.name is not None:
         print(exercises.describe(args.name))  # ValueError lists the names
         return 0

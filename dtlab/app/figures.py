@@ -44,11 +44,13 @@ FT_RECOVERY = "python benchmarks/ft_recovery.py"
 ROOFLINE = "python -m dtlab.cost.roofline"
 GOODPUT = "python -m dtlab.experiments.goodput"  # writes into results/goodput
 PLANNER = "python -m dtlab.cost.planner.validate --out results/planner"
+FRONT_DOOR = "python benchmarks/front_door.py"
 BUSY = "python -m dtlab.app.busy --hogs 4 --out results/busy"
 RECORDER_COST = "python -m dtlab.experiments.recorder_cost --out results/recorder_cost --docs"
 
 FIGURES: dict[str, Figure] = {
     "docs/figures/demo_compare.csv": Figure(DEMO_COMPARE, "results/demo/compare.csv"),
+    "docs/figures/front_door.csv": Figure(FRONT_DOOR, "results/bench/front_door.csv"),
     "docs/figures/busy_notebooks.png": Figure(BUSY, "results/busy/busy_notebooks.png"),
     "docs/figures/busy_notebooks.csv": Figure(BUSY, "results/busy/busy_notebooks.csv"),
     "docs/figures/recorder_cost.csv": Figure(RECORDER_COST, "results/recorder_cost/recorder_cost.csv"),

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any
 
-from dtlab.core import registry
+from dtlab.core import options, registry
 from dtlab.core.config import RunConfig
 
 # RunConfig's defaults, read off the dataclass: making one would validate it, and that imports its tier.
@@ -64,6 +64,29 @@ def job_fields(args: argparse.Namespace, tier: str, world_size: int) -> dict[str
         experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
         aux_loss_coef=args.aux_loss_coef, flight_recorder=getattr(args, "flight_recorder", False),
     )
+
+
+def tier_options(tier: str, pairs: list[str]) -> Any:
+    """Build the tier's Options from ``--opt KEY=VALUE`` strings (converted by ``dtlab.core.options``).
+
+    A tuple option takes comma-separated values (``--opt faults=sigkill:7:1,exception:12:0``); given
+    twice, its values add up. Anything that does not fit is one line naming ``--opt`` and the field.
+    """
+    spec = registry.get(tier)  # imports the tier's module (and torch)
+    known = options.fields(spec.options)
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in known:
+            what = "is not KEY=VALUE" if not sep else f"tier {tier!r} has no option {key!r}"
+            raise ValueError(f"--opt {pair}: {what}; it takes: {', '.join(known) or 'no options'}")
+        try:
+            value = options.parse(known[key], raw, key)
+        except options.OptionError as exc:
+            raise ValueError(f"--opt {exc}") from None
+        values[key] = values.get(key, ()) + value if known[key] == "tuple" else value
+    return spec.options(**values)
 
 
 def split(text: str, flag: str) -> list[str]:
