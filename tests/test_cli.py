@@ -264,7 +264,7 @@ def test_help_and_a_bad_flag_are_answered_before_torch_or_a_tier_is_imported():
         ("--help", "0"), ("--help", "0"), ("--no-such-flag", "2"), ("no-such-tier", "2"), ("0", "2"),
         ("ddp,nope", "2"), ("--help", "0"), ("--help", "0")]
     assert {loaded for *_, loaded in answers} == {"[]"}, done.stdout
-    assert "--tiers: RunConfig.tier='nope' is invalid" in done.stderr
+    assert "--tiers ddp,nope: unknown tier 'nope'" in done.stderr
 
 
 def test_the_registry_names_every_tier_without_importing_one_and_each_module_declares_its_name():
