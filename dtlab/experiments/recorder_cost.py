@@ -62,11 +62,10 @@ PARTS: dict[tuple[str, str], str] = {
     ("dispatch.py", "wait"): "the Work.wait patch",
     ("recorder.py", "wait"): "the Work.wait patch",
 }
-# torch's own calls that only the recorded path makes (the profiler names a C method so, with file "~").
-TORCH_CALLS = {"<method 'get_future' of 'torch._C._distributed_c10d.Work' objects>": "get_future",
-               "<method 'add_done_callback' of 'torch._C.Future' objects>": "add_done_callback"}
-for _name in TORCH_CALLS:
-    PARTS[("~", _name)] = "after the call: the Work's future and its callback"
+# torch's own calls that only the recorded path makes, as the profiler names a pybind method (file "~").
+TORCH_CALLS = ("<built-in method torch._C._distributed_c10d.get_future>",
+               "<built-in method torch._C.add_done_callback>")
+PARTS.update({("~", name): "after the call: the Work's future and its callback" for name in TORCH_CALLS})
 DOC = Path(__file__).resolve().parents[2] / "docs" / "measurement.md"
 BEGIN, END = "<!-- recorder-cost:begin -->", "<!-- recorder-cost:end -->"
 
