@@ -154,7 +154,8 @@ SLEEPER = """
 import time, torch.distributed as dist
 dist.init_process_group("gloo")
 dist.barrier()
-print("ready", flush=True)
+if dist.get_rank() == 0:  # one line: two ranks' prints can interleave into "readyready"
+    print("ready", flush=True)
 time.sleep(600)
 """
 
@@ -181,8 +182,8 @@ STUCK = """
 import time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 dist.all_reduce(torch.ones(4))
-print("ready", flush=True)
 if dist.get_rank() == 1:
+    print("ready", flush=True)  # one rank prints: two ranks' prints can interleave into "readyready"
     time.sleep(600)  # never reaches the all-reduce rank 0 waits in
 dist.all_reduce(torch.ones(4))
 """
