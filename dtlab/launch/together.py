@@ -4,13 +4,18 @@ A rank's compute timed alone on an idle machine is faster than the same compute 
 other ranks run beside it: they share the cores, the caches and the memory bandwidth (on two
 cores, two ranks' Adam steps took 1.4-1.6x as long as one alone). So a prediction times one copy
 per rank, all started together behind a barrier, and takes the slowest.
+
+The copies come from the launcher's forkserver, which has torch, the loop and the tiers imported: a
+spawned copy re-imported them, and the script that called it, each time (about 9 s of CPU per copy
+under the width sweep, most of its run).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from dtlab.launch.local import context
 
 __all__ = ["TIMEOUT_S", "run_together"]
 
@@ -30,7 +35,7 @@ def _child(target: Callable[..., Any], args: tuple, start: Any, conn: Any) -> No
 def run_together(target: Callable[..., Any], per_process_args: Sequence[tuple], what: str) -> list[Any]:
     """``target(*args)`` for each ``args``, each in its own spawned process, all at once; their results in
     order. ``target`` must be importable (a module-level function). ``what`` names the work in errors."""
-    ctx = mp.get_context("spawn")
+    ctx = context("forkserver")
     start = ctx.Barrier(len(per_process_args))
     procs, pipes = [], []
     for args in per_process_args:
