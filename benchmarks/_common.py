@@ -18,7 +18,6 @@ import csv
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -26,10 +25,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from dtlab.app.bench import RESULT
 from dtlab.core.config import RunConfig
+from dtlab.read.intervals import BOOTSTRAP_MIN_ROUNDS, Interval, median_interval  # noqa: F401
 from dtlab.train import run
 
 DEFAULT_OUT = Path("results/bench")
@@ -212,46 +212,6 @@ LARGE = Size("large", model_size=1024, global_batch=1024, steps=30, dataset_size
 # percentiles of the resampled medians are the smallest and largest round (each is the median of a resample
 # with probability 7/27), so a "90 %" interval would be the range of three values, covering the median about
 # 75 % of the time. With fewer rounds the interval is called what it is: the rounds' min-max.
-BOOTSTRAP_MIN_ROUNDS = 10
-
-
-class Interval(NamedTuple):
-    """An interval for the median of per-round values, with the name it may be quoted under."""
-
-    lo: float
-    hi: float
-    label: str  # "90 % bootstrap" (>= BOOTSTRAP_MIN_ROUNDS rounds), "min-max of N rounds", or "no interval"
-
-    def text(self) -> str:
-        """``LABEL LO-HI`` for a result line's detail ("" with fewer than two rounds)."""
-        return "" if math.isnan(self.lo) else f"{self.label} {self.lo:.3f}-{self.hi:.3f}"
-
-
-def median_interval(values: Iterable[float], level: float = 0.9, resamples: int = 2000,
-                    seed: int = 0) -> Interval:
-    """The interval quoted beside a median of per-round values: what it is depends on the rounds.
-
-    With at least ``BOOTSTRAP_MIN_ROUNDS`` rounds, a bootstrap percentile
-    interval at ``level`` (0.9 is 90 %): the rounds resampled with replacement
-    ``resamples`` times, with a fixed seed (the same rows give the same
-    interval). With fewer, the min-max of the rounds. Either way it says how far
-    the median could move with other rounds of the same noise: a target inside
-    it is not resolved by the run.
-    """
-    values = [v for v in values if not math.isnan(v)]
-    if not 0 < level < 1:
-        raise ValueError(f"level={level!r} is invalid: must be between 0 and 1")
-    if len(values) < 2:
-        return Interval(float("nan"), float("nan"), "no interval")
-    if len(values) < BOOTSTRAP_MIN_ROUNDS:
-        return Interval(min(values), max(values), f"min-max of {len(values)} rounds")
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return Interval(medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))],
-                    f"{100 * level:g} % bootstrap")
-
-
 def resolution(values: Iterable[float], target: float) -> str:
     """Whether a run's rounds can tell its median from ``target``: a phrase for the detail."""
     interval = median_interval(values)

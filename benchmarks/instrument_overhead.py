@@ -188,18 +188,23 @@ def measure_training(quick: bool, rounds: int) -> tuple[list[dict], list[dict], 
     return out_rows, steps, out
 
 
-def measure_tp(quick: bool, rounds: int) -> list[float]:
-    """(c): per-round instrumented / plain median step time of tp on the charformer."""
+def measure_tp(quick: bool, rounds: int) -> tuple[list[dict], list[float]]:
+    """(c): one row per run, as (b)'s, and the per-round instrumented / plain median step time of tp."""
     cfg = RunConfig(tier="tp", world_size=2, model="charformer", dataset="text", optimizer="sgd", lr=0.05,
                     steps=6 if quick else 20, threads_per_rank=1)
 
     def one(mode: str):
-        return lambda _round: {"median_step_s": common.steady_step_s(run(cfg, progress=False,
-                                                                         record=mode == "instrumented"))}
+        def go(_round: int) -> dict:
+            result = run(cfg, progress=False, record=mode == "instrumented")
+            return {"median_step_s": common.steady_step_s(result), "wall_s": result.wall_s,
+                    "events_rank0": len(result.ranks[0].events)}
+        return go
 
-    rows = common.interleave({f"tp:{mode}": one(mode) for mode in MODES}, rounds,
+    rows = common.interleave({f"tp:charformer:{mode}": one(mode) for mode in MODES}, rounds,
                              warmup_rounds=0 if quick else 1, log=None if quick else common.note)
-    return common.ratios(rows, "tp:instrumented", "tp:plain", "median_step_s")
+    out_rows = [{"tier": "tp", "size": "charformer", "world_size": cfg.world_size, "model_size": cfg.model_size,
+                 "global_batch": cfg.global_batch_size, "steps": cfg.steps, **row} for row in rows]
+    return out_rows, common.ratios(rows, "tp:charformer:instrumented", "tp:charformer:plain", "median_step_s")
 
 
 def main() -> None:
@@ -208,7 +213,6 @@ def main() -> None:
     rows_a, ratios_a = measure_collectives(args.quick, common.repeats(args, full=40, quick=2))
     rows_b, steps_b, ratios_b = measure_training(args.quick, common.repeats(args, full=16, quick=1))
     common.write_csv(args.out / f"{NAME}_collectives.csv", rows_a)
-    common.write_csv(args.out / f"{NAME}_training.csv", rows_b)
     common.write_csv(args.out / f"{NAME}_training_steps.csv", steps_b)
     parts = {**ratios_a, **ratios_b}
     medians = {k: common.median(v) for k, v in parts.items()}
@@ -217,7 +221,8 @@ def main() -> None:
     detail = ("worst of: " + ", ".join(f"{k} {common.ratio_text(v)}" for k, v in parts.items())
               + f"; {worst_key}: {common.resolution(parts[worst_key], TARGET)}")
     common.result_line(NAME, worst, f"<= {TARGET}", quick=args.quick, detail=detail, passed=worst <= TARGET)
-    tp = measure_tp(args.quick, common.repeats(args, full=12, quick=1))
+    rows_tp, tp = measure_tp(args.quick, common.repeats(args, full=12, quick=1))
+    common.write_csv(args.out / f"{NAME}_training.csv", rows_b + rows_tp)  # every tier's runs, tp's included
     common.result_line(f"{NAME}.tp", common.median(tp), "none: the modules channel's cost", quick=args.quick,
                        detail=f"tp training, charformer, world 2: instrumented / plain {common.ratio_text(tp)}; "
                               f"against no cost: {common.resolution(tp, 1.0)}")

@@ -261,16 +261,19 @@ def test_main_calibrates_and_writes_the_table_and_figure(monkeypatch, tmp_path, 
     out = tmp_path / "demo"
     saved = NO_ROOFLINE.save(tmp_path / "roofline.json")  # measuring one is tests/test_roofline.py's
     assert sp.main(["--out", str(out), "--widths", "16", "--steps", "5", "--rounds", "1", "--global-batch", "32",
-                    "--roofline", str(saved), "--quick"]) == 0
+                    "--roofline", str(saved), "--quick", "--runs", "2"]) == 0
     table = pd.read_csv(out / "crossover.csv")
     assert list(table.columns) == list(sp.COLUMNS) and len(table) == 1
+    runs = pd.read_csv(out / "crossover_runs.csv")  # every run kept, the last one the table and the figure's
+    assert list(runs["run"]) == [1, 2] and list(runs.columns[:len(sp.COLUMNS)]) == list(sp.COLUMNS)
+    assert runs.iloc[-1]["speedup"] == pytest.approx(table.iloc[0]["speedup"])
     assert table[["predicted_single_ms", "predicted_ddp_ms", "prediction_error", "retimed_speedup",
                   "retimed_error"]].notna().all().all()
     assert (out / "crossover.png").stat().st_size > 0
     assert not (out / "speedup.png").exists()  # compare writes its own speedup.png into the same folder
     printed = capsys.readouterr().out
     assert "link: all_reduce:" in printed and "round 1: busy_s" in printed
-    assert "crossover:" in printed and "prediction:" in printed
+    assert "crossover:" in printed and "prediction:" in printed and "run 1/2:" in printed
     assert printed.strip().splitlines()[-1].startswith("every width within 30 %: ")
 
 

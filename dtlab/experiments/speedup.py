@@ -68,6 +68,7 @@ writes into the same folder). Reading the curve (crossover, verdict, the table) 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import sys
@@ -320,16 +321,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", default=os.environ.get("DTLAB_QUICK") == "1",
                         help="few widths, steps and rounds, a quick link calibration and, if one must be measured, "
                         "a quick roofline (also DTLAB_QUICK=1)")
+    parser.add_argument("--runs", type=int, default=1, help="whole sweeps, one after the other, each calibrating "
+                        "its own link (default 1); every run's table goes into crossover_runs.csv, the last one's "
+                        "into crossover.csv and the figure")
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: give at least 1")
     widths = [int(w) for w in args.widths.split(",") if w.strip()] or list(QUICK_WIDTHS if args.quick
                                                                            else DEFAULT_WIDTHS)
     t0 = time.perf_counter()
-    frame = speedup_sweep(widths, world_size=args.world_size, global_batch=args.global_batch,
-                          steps=args.steps or (QUICK_STEPS if args.quick else STEPS),
-                          rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), quick_link=args.quick,
-                          roofline=args.roofline, progress=True)
+    runs = []
+    for run_no in range(1, args.runs + 1):
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        frame = speedup_sweep(widths, world_size=args.world_size, global_batch=args.global_batch,
+                              steps=args.steps or (QUICK_STEPS if args.quick else STEPS),
+                              rounds=args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS), quick_link=args.quick,
+                              roofline=args.roofline, progress=True)
+        runs.append(frame.assign(run=run_no, started=started, load=frame.attrs["load"]))
+        if run_no < args.runs:
+            print(f"run {run_no}/{args.runs}:\n{format_table(frame)}\n{verdict(frame)}\n", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "crossover.csv", index=False)
+    pd.concat(runs).to_csv(args.out / "crossover_runs.csv", index=False)  # every run a row per width
     png = save(speedup_curve(frame), args.out / "crossover.png")
     a = frame.attrs
     print(f"\n{a['baseline']}; MLP depth {a['depth']}, {a['optimizer']}, {a['steps']} steps × {a['rounds']} "
@@ -340,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load average at the start and after each round {a['load']}; roofline {a['roofline']}; "
           f"link: {a['link']}, beta {a['beta_ns_per_byte']:.2f} ns/B, busy_s per round "
           f"{a['busy_ms']} ms; "
-          f"wrote {args.out / 'crossover.csv'} and {png} in {time.perf_counter() - t0:.0f} s")
+          f"wrote {args.out / 'crossover.csv'}, {args.out / 'crossover_runs.csv'} and {png} in "
+          f"{time.perf_counter() - t0:.0f} s")
     print(verdict(frame))
     return 0
 
