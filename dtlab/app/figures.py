@@ -34,7 +34,8 @@ class Figure:
 
 DEMO_COMPARE = ("python -m dtlab compare --tiers single,dp,ddp-naive,ddp,zero --world-sizes 2 --steps 60 "
                 "--out results/demo")
-DEMO_SWEEP = "python -m dtlab.experiments.speedup --out results/demo"
+WIDTH_SWEEPS = "python -m dtlab.experiments.speedup --runs 3 --out results/speedup"  # the figure is run 3's
+OVERHEAD = "python benchmarks/instrument_overhead.py"
 COSTMODEL = "python benchmarks/costmodel_error.py"  # writes into results/bench, the benchmarks' default
 LINK_SWEEP = "python benchmarks/link_sweep.py"
 PIPELINE_BUBBLE = "python -m dtlab.experiments.schedules --rounds 3 --csv results/pipeline/pipeline_bubble.csv"
@@ -62,8 +63,10 @@ FIGURES: dict[str, Figure] = {
     "docs/figures/demo_breakdown.csv": Figure(DEMO_COMPARE, "results/demo/breakdown.csv"),
     "docs/figures/demo_memory.csv": Figure(DEMO_COMPARE, "results/demo/memory.csv"),
     "docs/figures/demo_loss.csv": Figure(DEMO_COMPARE, "results/demo/loss.csv"),
-    "docs/figures/demo_crossover.png": Figure(DEMO_SWEEP, "results/demo/crossover.png"),
-    "docs/figures/demo_crossover.csv": Figure(DEMO_SWEEP, "results/demo/crossover.csv"),
+    "docs/figures/demo_crossover.png": Figure(WIDTH_SWEEPS, "results/speedup/crossover.png"),
+    "docs/figures/demo_crossover.csv": Figure(WIDTH_SWEEPS, "results/speedup/crossover.csv"),
+    "docs/figures/width_sweep_runs.csv": Figure(WIDTH_SWEEPS, "results/speedup/crossover_runs.csv"),
+    "docs/figures/instrument_overhead_training.csv": Figure(OVERHEAD, "results/bench/instrument_overhead_training.csv"),
     "docs/figures/roofline.png": Figure(ROOFLINE, "results/roofline/roofline.png"),
     "docs/figures/roofline.csv": Figure(ROOFLINE, "results/roofline/roofline.csv"),
     "docs/figures/costmodel_error.png": Figure(COSTMODEL, "results/bench/costmodel_error.png"),

@@ -1,0 +1,238 @@
+"""Measured numbers on the pages, rendered from the committed results they come from.
+
+A page quotes a result between two markers, ``<!-- quote:NAME -->`` and ``<!-- /quote:NAME -->``, in the
+README, in ``docs/`` and in the notebooks' markdown cells: on lines of their own around a block (a table),
+or inline, within a sentence or a table's cell, for a quote of one line. ``QUOTES`` maps each NAME to the function that
+writes its text from files under ``docs/figures/``: the pages never hold a number typed by hand there, and
+two pages that quote one result cannot disagree.
+
+    python -m dtlab.app.quotes            # rewrite every marked block from the committed results
+    python -m dtlab.app.quotes --check    # list the blocks that differ from their results (exit 1)
+
+``tests/test_quotes.py`` runs the check, so a changed result without its pages (or a page edited by hand
+between the markers) fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+
+from dtlab.read.intervals import median_interval
+from dtlab.read.speedup import crossover
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = Path("docs/figures")
+BLOCK = re.compile(r"<!-- quote:(?P<name>[\w-]+) -->(?P<newline>\n?)(?P<body>.*?)<!-- /quote:(?P=name) -->", re.S)
+
+__all__ = ["QUOTES", "check", "main", "pages", "recording_costs", "render", "render_text"]
+
+
+def _interval_text(values: Sequence[float]) -> str:
+    interval = median_interval(values)
+    if interval.label == "no interval":
+        return "one round: no interval"
+    rounds = "" if interval.label.startswith("min-max") else f" of {len(values)} rounds"
+    return f"{interval.label.replace('min-max', 'min–max')}{rounds} {interval.lo:.3f}–{interval.hi:.3f}"
+
+
+OVERHEAD = FIGURES / "instrument_overhead_training.csv"
+SWEEPS = FIGURES / "width_sweep_runs.csv"
+TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
+
+
+def recording_costs(root: Path) -> pd.DataFrame:
+    """Per tier and job: the median step without recording, and each round's recorded / not recorded ratio."""
+    runs = pd.read_csv(root / OVERHEAD)
+    runs = runs[runs["round"] >= 0]
+    out = []
+    for (tier, size), job in runs.groupby(["tier", "size"], sort=False):
+        mode = job["variant"].str.rsplit(":", n=1).str[1]
+        plain = job[mode == "plain"].set_index("round")["median_step_s"]
+        ratios = (job[mode == "instrumented"].set_index("round")["median_step_s"] / plain).dropna()
+        model = "charformer" if size == "charformer" else f"MLP {job['model_size'].iloc[0]}"
+        out.append({"tier": tier, "job": f"{model}, global batch {job['global_batch'].iloc[0]}",
+                    "plain_ms": 1e3 * plain.median(), "ratio": ratios.median(), "ratios": list(ratios)})
+    return pd.DataFrame(out)
+
+
+def recording_cost(root: Path) -> str:
+    """The table of what recording every collective adds to a step, per tier, from ``instrument_overhead``."""
+    costs = recording_costs(root)
+    lines = ["| tier | job (world 2) | step, not recorded | recorded / not recorded | interval |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{c.tier}` | {c.job} | {c.plain_ms:.1f} ms | {c.ratio:.3f} | {_interval_text(c.ratios)} |"
+              for c in costs.itertuples()]
+    return ("\n".join(lines) + "\n\n"
+            "The median over interleaved rounds of each round's ratio of median step times "
+            f"(`{OVERHEAD}`, from `python benchmarks/instrument_overhead.py`). Every run records by "
+            "default; `dtlab.run(cfg, record=False)` runs without the recorder. Where the interval spans 1.02, a "
+            "2 % cost cannot be told from this machine's noise.")
+
+
+def recording_cost_line(root: Path) -> str:
+    """The same, in one line (a table's cell)."""
+    costs = recording_costs(root)
+    return "; ".join(f"`{c.tier}` {c.job}: {c.ratio:.3f} [{_interval_text(c.ratios)}]" for c in costs.itertuples())
+
+
+def _sweeps(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / SWEEPS)
+
+
+def _runs_text(runs: pd.DataFrame) -> str:
+    days = sorted({str(s)[:10] for s in runs["started"]})
+    return f"{runs['run'].nunique()} runs of the sweep, {', '.join(days)}"
+
+
+def width_sweep(root: Path) -> str:
+    """One line: what the committed runs of the width sweep measured (best ddp speedup, crossover on 1 thread)."""
+    runs = _sweeps(root)
+    best = runs.loc[runs.groupby("run")["speedup"].idxmax()]
+    one_thread = [crossover(run, "speedup_vs_1t") for _, run in runs.groupby("run")]
+    paid = [round(w) for w in one_thread if w is not None]
+    against_1t = (f"from a width of about {_span(paid, '{:.0f}')}" if len(paid) == len(one_thread)
+                  else f"from a width of about {_span(paid, '{:.0f}')} in {len(paid)} of {len(one_thread)} runs"
+                  if paid else "at no width")
+    return (f"{_runs_text(runs)}: ddp reached at most {_span(best['speedup'], '{:.2f}')}× of one 2-thread process "
+            f"(at width {_span(best['width'], '{:.0f}')}); against single on one thread it pays {against_1t}")
+
+
+def width_sweep_predictions(root: Path) -> str:
+    """One line: how many of the committed runs' points each prediction got within the target."""
+    runs = _sweeps(root)
+    parts = []
+    for column, name in (("prediction_error", "with the compute on this machine's roofline"),
+                         ("retimed_error", "with the compute re-timed")):
+        inside = int((runs[column].abs() <= TOLERANCE).sum())
+        parts.append(f"{name} {inside} of {len(runs)} points within {TOLERANCE * 100:.0f} % "
+                     f"(errors {_pct(runs[column].min())} to {_pct(runs[column].max())})")
+    return f"the estimator's predicted speedup, over the {_runs_text(runs)}: " + "; ".join(parts)
+
+
+def width_sweep_runs(root: Path) -> str:
+    """Per width and run: the prediction's error on the roofline and re-timed, and the measured speedup."""
+    runs = _sweeps(root)
+    numbers = sorted(runs["run"].unique())
+    head = "| width | " + " | ".join(f"run {n}: roofline / re-timed (speedup)" for n in numbers) + " |"
+    lines = [head, "|" + " --- |" * (len(numbers) + 1)]
+    for width, rows in runs.groupby("width"):
+        cells = [f"{_pct(r.prediction_error)} / {_pct(r.retimed_error)} ({r.speedup:.2f})"
+                 for r in rows.sort_values("run").itertuples()]
+        lines.append(f"| {width} | " + " | ".join(cells) + " |")
+    for column, name in (("prediction_error", "roofline"), ("retimed_error", "re-timed")):
+        cells = []
+        for _, run in runs.groupby("run"):
+            inside = (run[column].abs() <= TOLERANCE).sum()
+            worst = run.loc[run[column].abs().idxmax()]
+            cells.append(f"{inside} of {len(run)} (worst {worst.width}: {_pct(worst[column])})")
+        lines.append(f"| within {TOLERANCE * 100:.0f} %, {name} | " + " | ".join(cells) + " |")
+    starts = "; ".join(f"run {r.run} started {r.started}, load {r.load}"
+                       for r in runs.drop_duplicates("run").itertuples())
+    return ("\n".join(lines) + f"\n\n{_runs_text(runs)} (`{SWEEPS}`); the load average at the start and after "
+            f"each round: {starts}.")
+
+
+def _pct(x: float) -> str:
+    return f"{round(100 * x) + 0:+d} %".replace("-", "−")  # + 0: no "-0 %"
+
+
+def _span(values, fmt: str) -> str:
+    values = sorted(float(v) for v in values)
+    lo, hi = fmt.format(values[0]), fmt.format(values[-1])
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+QUOTES: dict[str, Callable[[Path], str]] = {
+    "recording-cost": recording_cost,
+    "recording-cost-line": recording_cost_line,
+    "width-sweep": width_sweep,
+    "width-sweep-predictions": width_sweep_predictions,
+    "width-sweep-runs": width_sweep_runs,
+}
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """Every page that may quote a result: the README, the docs and the notebooks."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "notebooks").glob("*.ipynb"))]
+
+
+def render_text(text: str, root: Path = ROOT, where: str = "") -> str:
+    """``text`` with every marked block rewritten from its result; ValueError names an unknown block."""
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in QUOTES:
+            raise ValueError(f"{where or 'page'}: unknown quote {name!r} (known: {', '.join(sorted(QUOTES))})")
+        text = QUOTES[name](root).rstrip("\n")
+        if match["newline"]:
+            return f"<!-- quote:{name} -->\n{text}\n<!-- /quote:{name} -->"
+        if "\n" in text:
+            raise ValueError(f"{where or 'page'}: quote {name!r} is a block: put its markers on lines of their own")
+        return f"<!-- quote:{name} -->{text}<!-- /quote:{name} -->"
+    return BLOCK.sub(fill, text)
+
+
+def _texts(page: Path) -> Iterator[tuple[object, str]]:
+    """(holder, text) for each text of a page that may hold blocks: the page, or a notebook's markdown cells."""
+    if page.suffix != ".ipynb":
+        yield None, page.read_text()
+        return
+    nb = nbformat.read(page, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and "<!-- quote:" in cell.source:
+            yield (nb, cell), cell.source
+
+
+def render(page: Path, root: Path = ROOT) -> bool:
+    """Rewrite ``page``'s blocks from their results; True where it changed."""
+    changed, notebook = False, None
+    for holder, text in _texts(page):
+        new = render_text(text, root, str(page.relative_to(root)))
+        if new == text:
+            continue
+        changed = True
+        if holder is None:
+            page.write_text(new)
+        else:
+            notebook, cell = holder
+            cell.source = new
+    if notebook is not None:
+        page.write_text(nbformat.writes(notebook) + "\n")
+    return changed
+
+
+def check(root: Path = ROOT) -> list[str]:
+    """One line per block whose page differs from its result (empty when every page agrees)."""
+    stale = []
+    for page in pages(root):
+        for _, text in _texts(page):
+            for match in BLOCK.finditer(text):
+                rendered = render_text(match.group(0), root, str(page.relative_to(root)))
+                if rendered != match.group(0):
+                    stale.append(f"{page.relative_to(root)}: quote:{match['name']} differs from its result "
+                                 f"(python -m dtlab.app.quotes rewrites it)")
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtlab.app.quotes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="list the blocks that differ; change nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = check()
+        print("\n".join(stale) or "every quoted block agrees with its result")
+        return 1 if stale else 0
+    for page in pages():
+        if render(page):
+            print(f"rewrote {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

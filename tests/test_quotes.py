@@ -1,0 +1,87 @@
+"""The pages quote measured numbers from committed results, and say when a page and its result disagree."""
+
+from __future__ import annotations
+
+import nbformat
+import pandas as pd
+import pytest
+
+from dtlab.app import quotes
+
+ROOT = quotes.ROOT
+
+
+def test_every_quoted_block_agrees_with_its_committed_result():
+    assert quotes.check() == []
+
+
+@pytest.mark.parametrize(("page", "names"), [
+    ("README.md", {"recording-cost-line", "width-sweep"}),
+    ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs"}),
+    ("notebooks/01_single_device.ipynb", {"recording-cost"}),
+    ("notebooks/11_compare.ipynb", {"recording-cost", "width-sweep"}),
+])
+def test_the_pages_that_read_timings_quote_the_recorders_cost_and_the_sweep(page, names):
+    found = {m["name"] for _, text in quotes._texts(ROOT / page) for m in quotes.BLOCK.finditer(text)}
+    assert names <= found, f"{page} quotes {sorted(found)}"
+
+
+def _overhead_rows(ratios: list[float]) -> list[dict]:
+    rows = []
+    for r, ratio in enumerate(ratios):
+        for mode, step in (("plain", 0.010), ("instrumented", 0.010 * ratio)):
+            rows.append({"tier": "ddp", "size": "small", "world_size": 2, "model_size": 64, "global_batch": 64,
+                         "steps": 8, "round": r, "order": 0, "variant": f"ddp:small:{mode}", "median_step_s": step})
+    return rows
+
+
+def _sweep_rows() -> list[dict]:
+    # two runs of a two-width sweep: speedups against 2 threads and against 1 thread
+    rows = []
+    for run, (s64, s1k, t64, t1k) in enumerate([(0.3, 0.7, 0.5, 2.0), (0.25, 0.8, 0.4, 1.5)], start=1):
+        for width, speedup, vs_1t, err in ((64, s64, t64, -0.5), (1024, s1k, t1k, 0.1)):
+            rows.append({"width": width, "speedup": speedup, "speedup_vs_1t": vs_1t, "prediction_error": err,
+                         "retimed_error": err / 5, "run": run, "started": f"2026-12-0{run}T10:00:00",
+                         "load": "1.00/1.20"})
+    return rows
+
+
+@pytest.fixture
+def house(tmp_path):
+    """A checkout in miniature: the two results, and a README and a notebook that quote them."""
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.20])).to_csv(tmp_path / quotes.OVERHEAD, index=False)
+    pd.DataFrame(_sweep_rows()).to_csv(tmp_path / quotes.SWEEPS, index=False)
+    (tmp_path / "README.md").write_text(
+        "| cost | <!-- quote:recording-cost-line -->old<!-- /quote:recording-cost-line --> |\n"
+        "\n<!-- quote:width-sweep-runs -->\nold\n<!-- /quote:width-sweep-runs -->\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "Sweeps: <!-- quote:width-sweep -->typed by hand<!-- /quote:width-sweep -->.")])
+    (tmp_path / "notebooks" / "11_compare.ipynb").write_text(nbformat.writes(nb) + "\n")
+    return tmp_path
+
+
+def test_rendering_writes_the_results_numbers_and_a_changed_result_is_caught(house):
+    assert len(quotes.check(house)) == 3  # every block typed by hand differs from its result
+    assert all(quotes.render(page, house) for page in (house / "README.md", house / "notebooks" / "11_compare.ipynb"))
+    assert quotes.check(house) == []
+    readme = (house / "README.md").read_text()
+    # the ratios 1.05, 1.01, 1.20: median 1.050, and three rounds are a min-max, not a "90 %"
+    assert "`ddp` MLP 64, global batch 64: 1.050 [min–max of 3 rounds 1.010–1.200]" in readme
+    assert "| 64 | −50 % / −10 % (0.30) | −50 % / −10 % (0.25) |" in readme
+    assert "| within 30 %, roofline | 1 of 2 (worst 64: −50 %) | 1 of 2 (worst 64: −50 %) |" in readme
+    cell = nbformat.read(house / "notebooks" / "11_compare.ipynb", as_version=4).cells[0].source
+    assert ("2 runs of the sweep, 2026-12-01, 2026-12-02: ddp reached at most 0.70–0.80× of one 2-thread process "
+            "(at width 1024); against single on one thread it pays from a width of about") in cell
+    # a result measured again, its pages not rewritten: the check names the page and the quote
+    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.30, 1.40])).to_csv(house / quotes.OVERHEAD, index=False)
+    assert quotes.check(house) == ["README.md: quote:recording-cost-line differs from its result "
+                                   "(python -m dtlab.app.quotes rewrites it)"]
+
+
+def test_an_unknown_quote_or_a_block_quoted_inline_is_named(house):
+    with pytest.raises(ValueError, match="README.md: unknown quote 'nope'"):
+        quotes.render_text("<!-- quote:nope -->x<!-- /quote:nope -->", house, "README.md")
+    with pytest.raises(ValueError, match="'width-sweep-runs' is a block"):
+        quotes.render_text("<!-- quote:width-sweep-runs -->x<!-- /quote:width-sweep-runs -->", house)
