@@ -18,7 +18,6 @@ import csv
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 from dtlab.app.bench import RESULT
 from dtlab.core.config import RunConfig
-from dtlab.read.intervals import BOOTSTRAP_MIN_ROUNDS, Interval, median_interval  # noqa: F401
+from dtlab.read.rounds import BOOTSTRAP_MIN_ROUNDS, Interval, median, median_interval, per_round, ratios  # noqa: F401
 from dtlab.train import run
 
 DEFAULT_OUT = Path("results/bench")
@@ -89,23 +88,6 @@ def interleave(variants: Mapping[str, Callable[[int], Mapping[str, Any]]], round
             what = "warm-up round" if r < 0 else f"round {r + 1}/{rounds}"
             log(f"{what} done in {time.perf_counter() - started:.1f} s")
     return rows
-
-
-def per_round(rows: Iterable[Mapping[str, Any]], variant: str, key: str) -> dict[int, float]:
-    """``{round: value}`` of one variant's measurement, measured rounds only."""
-    return {int(r["round"]): float(r[key]) for r in rows if r["variant"] == variant and r["round"] >= 0}
-
-
-def ratios(rows: Iterable[Mapping[str, Any]], numerator: str, denominator: str, key: str) -> list[float]:
-    """Per-round ``numerator / denominator`` of ``key``: the two ran in the same round."""
-    rows = list(rows)
-    num, den = per_round(rows, numerator, key), per_round(rows, denominator, key)
-    return [num[r] / den[r] for r in sorted(num.keys() & den.keys()) if den[r] > 0]
-
-
-def median(values: Iterable[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.median(values) if values else float("nan")
 
 
 def spread(values: Iterable[float]) -> str:

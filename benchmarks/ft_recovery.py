@@ -144,36 +144,29 @@ def median_parts(parts: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def _med(rows: list[dict], variant: str, key: str) -> float:
-    return common.median(r[key] for r in rows if r["variant"] == variant and r["round"] >= 0)
-
-
 def summarise(rows: list[dict], quick: bool) -> list[str]:
     """The result lines: per setting, ft / elastic time lost and break-even; ft's step against ddp and elastic."""
-    lines = []
-    lost_e, step_e = _med(rows, "elastic_killed", "lost_s"), _med(rows, "elastic", "span_step_s")
+    lines, s = [], recovery.ft_against_elastic(rows, SETTINGS)
+    e = s["elastic"]
     for setting in SETTINGS:
-        v = f"ft_{setting}"
-        ratios = common.ratios(rows, f"{v}_killed", "elastic_killed", "lost_s")
-        ratio, lost_f = common.median(ratios), _med(rows, f"{v}_killed", "lost_s")
-        n = breakeven.break_even_steps(_med(rows, v, "span_step_s") - step_e, max(lost_e, 0.0) - max(lost_f, 0.0))
+        f, ratio = s[setting], common.median(s[setting]["ratios"])
         lines.append(common.result_line(
             f"{NAME}[{setting} timeouts]", ratio, f"<= {TARGET}", quick=quick, passed=ratio <= TARGET,
-            detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(ratios)}; medians: "
-                   f"elastic {lost_e:.2f} s, {_med(rows, 'elastic_killed', 'redone_steps'):g} steps redone; ft "
-                   f"{lost_f:.2f} s, {_med(rows, f'{v}_killed', 'redone_steps'):g} step(s) redone, "
-                   f"{_med(rows, f'{v}_killed', 'samples_lost'):g} samples lost; {_break_even_text(n, step_e)}"))
-    ratios = common.ratios(rows, "ft_tuned", "elastic", "span_step_s")
-    lines.append(common.result_line(f"{NAME}[span per step without faults, ft / elastic]", common.median(ratios),
-                                    "informational", quick=quick, detail=f"{common.ratio_text(ratios)}; medians "
-                                    f"{_med(rows, 'ft_tuned', 'span_step_s') * 1e3:.2f} ms against "
-                                    f"{step_e * 1e3:.2f} ms (elastic's includes its snapshots)"))
+            detail=f"ft / elastic time lost per SIGKILL at step {FAULT_STEP}: {common.ratio_text(f['ratios'])}; "
+                   f"medians: elastic {e['lost_s']:.2f} s, {e['redone_steps']:g} steps redone; ft "
+                   f"{f['lost_s']:.2f} s, {f['redone_steps']:g} step(s) redone, {f['samples_lost']:g} samples lost; "
+                   f"{_break_even_text(f['break_even_steps'], e['span_step_s'])}"))
+    lines.append(common.result_line(f"{NAME}[span per step without faults, ft / elastic]",
+                                    common.median(s["span_ratios"]), "informational", quick=quick,
+                                    detail=f"{common.ratio_text(s['span_ratios'])}; medians "
+                                    f"{s['tuned']['span_step_s'] * 1e3:.2f} ms against "
+                                    f"{e['span_step_s'] * 1e3:.2f} ms (elastic's includes its snapshots)"))
     for base in ("ddp", "elastic"):
-        ratios = common.ratios(rows, "ft_tuned", base, "step_s")
-        lines.append(common.result_line(f"{NAME}[step without faults, ft / {base}]", common.median(ratios),
-                                        "informational", quick=quick, detail=f"{common.ratio_text(ratios)}; "
-                                        f"medians {_med(rows, 'ft_tuned', 'step_s') * 1e3:.2f} ms against "
-                                        f"{_med(rows, base, 'step_s') * 1e3:.2f} ms"))
+        r = s["step_ratios"][base]
+        lines.append(common.result_line(f"{NAME}[step without faults, ft / {base}]", common.median(r),
+                                        "informational", quick=quick, detail=f"{common.ratio_text(r)}; "
+                                        f"medians {s['tuned']['step_s'] * 1e3:.2f} ms against "
+                                        f"{s[base]['step_s'] * 1e3:.2f} ms"))
     return lines
 
 

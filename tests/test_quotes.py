@@ -16,8 +16,9 @@ def test_every_quoted_block_agrees_with_its_committed_result():
 
 
 @pytest.mark.parametrize(("page", "names"), [
-    ("README.md", {"recording-cost-line", "width-sweep"}),
-    ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs"}),
+    ("README.md", {"recording-cost-line", "width-sweep", "width-sweep-predictions", "ft-recovery"}),
+    ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs", "ft-recovery-table",
+                             "ft-without-faults", "ft-break-even"}),
     ("notebooks/01_single_device.ipynb", {"recording-cost"}),
     ("notebooks/11_compare.ipynb", {"recording-cost", "width-sweep"}),
 ])
@@ -85,3 +86,20 @@ def test_an_unknown_quote_or_a_block_quoted_inline_is_named(house):
         quotes.render_text("<!-- quote:nope -->x<!-- /quote:nope -->", house, "README.md")
     with pytest.raises(ValueError, match="'width-sweep-runs' is a block"):
         quotes.render_text("<!-- quote:width-sweep-runs -->x<!-- /quote:width-sweep-runs -->", house)
+
+
+def test_ft_against_elastic_reads_the_benchmarks_rows_and_an_interval_holding_the_target_is_unresolved():
+    # two rounds: ft loses 0.1 s and 0.3 s where elastic loses 1 s and 1 s: ratios 0.1 and 0.3 around 0.2
+    rows = []
+    for r, lost_ft in enumerate((0.1, 0.3)):
+        for variant, lost, span in (("elastic_killed", 1.0, 0.0), ("elastic", 0.0, 0.002),
+                                    ("ft_tuned_killed", lost_ft, 0.0), ("ft_tuned", 0.0, 0.003),
+                                    ("ddp", 0.0, 0.0)):
+            rows.append({"round": r, "variant": variant, "lost_s": lost, "span_step_s": span, "step_s": 0.001,
+                         "redone_steps": 0, "samples_lost": 32.0 if variant == "ft_tuned_killed" else 0.0})
+    s = quotes.ft_against_elastic(rows, ("tuned",))
+    assert s["rounds"] == 2 and s["tuned"]["ratios"] == pytest.approx([0.1, 0.3])
+    # (1.0 - 0.2) s saved per fault over 1 ms more per step: 800 steps
+    assert s["tuned"]["break_even_steps"] == pytest.approx(800)
+    assert quotes._verdict(s["tuned"]["ratios"], 0.2).startswith("unresolved")
+    assert quotes._verdict([0.1, 0.15], 0.2) == "met" and quotes._verdict([0.3, 0.4], 0.2) == "not met"

@@ -24,7 +24,8 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from dtlab.read.intervals import median_interval
+from dtlab.read.recovery import ft_against_elastic
+from dtlab.read.rounds import median, median_interval
 from dtlab.read.speedup import crossover
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +44,8 @@ def _interval_text(values: Sequence[float]) -> str:
 
 
 OVERHEAD = FIGURES / "instrument_overhead_training.csv"
+FT_RECOVERY = FIGURES / "ft_recovery.csv"
+FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
 
@@ -139,6 +142,81 @@ def width_sweep_runs(root: Path) -> str:
             f"each round: {starts}.")
 
 
+def _ft(root: Path) -> tuple[pd.DataFrame, dict]:
+    rows = pd.read_csv(root / FT_RECOVERY)
+    return rows, ft_against_elastic(rows.to_dict("records"))
+
+
+def _verdict(values: Sequence[float], target: float) -> str:
+    """met / not met against an upper target, or unresolved where the interval holds the target."""
+    interval = median_interval(values)
+    if interval.lo <= target <= interval.hi:
+        return "unresolved: the target lies inside the interval"
+    return "met" if median(values) <= target else "not met"
+
+
+def _ratio(values: Sequence[float]) -> str:
+    return f"{median(values):.3f} [{_interval_text(values)}]"
+
+
+def ft_recovery(root: Path) -> str:
+    """One line: ft against elastic per SIGKILL under both timeout settings, and what ft costs without faults."""
+    _, s = _ft(root)
+    tuned, torchft, e = s["tuned"], s["torchft"], s["elastic"]
+    return (f"`ft` loses {_ratio(tuned['ratios'])} of `elastic`'s time per SIGKILL ({tuned['lost_s']:.2f} s "
+            f"against {e['lost_s']:.2f} s; target ≤ {FT_TARGET:g}: {_verdict(tuned['ratios'], FT_TARGET)}); with "
+            f"torchft's default timeouts {_ratio(torchft['ratios'])} ({torchft['lost_s']:.2f} s): "
+            f"{_verdict(torchft['ratios'], FT_TARGET)}. Without faults `ft`'s training span per step is "
+            f"{median(s['span_ratios']):.2f}× `elastic`'s (elastic's snapshots included; the step alone "
+            f"{median(s['step_ratios']['elastic']):.2f}×), so with tuned timeouts it finishes first only while faults "
+            f"come more often than every {tuned['break_even_steps']:,.0f} steps; each fault drops "
+            f"{tuned['samples_lost']:g} samples")
+
+
+def ft_recovery_table(root: Path) -> str:
+    """Per tier and setting: time lost per SIGKILL, steps redone, samples lost and the ratio to elastic."""
+    rows, s = _ft(root)
+    rows = rows[rows["round"] >= 0]
+
+    def lost(variant: str) -> str:
+        v = rows.loc[rows["variant"] == variant]
+        return f"{v['lost_s'].median():.2f} s ({v['lost_s'].min():.2f}–{v['lost_s'].max():.2f})"
+
+    def redone(variant: str) -> str:
+        v = rows.loc[rows["variant"] == variant, "redone_steps"]
+        return _span(v, "{:.0f}").replace("–", " to ")
+
+    lines = [f"| | time lost per SIGKILL: median (min–max of {s['rounds']} rounds) | steps redone | samples lost | "
+             f"`ft` / `elastic`, per round | target ≤ {FT_TARGET:g} |", "| --- | --- | --- | --- | --- | --- |",
+             f"| `elastic` (the world restarts from its snapshot) | {lost('elastic_killed')} | "
+             f"{redone('elastic_killed')} | 0 (redone at the full batch) | | |"]
+    for setting, name in (("torchft", "torchft's timeouts"), ("tuned", "tuned timeouts")):
+        f = s[setting]
+        lines.append(f"| `ft`, {name} | {lost(f'ft_{setting}_killed')} | {redone(f'ft_{setting}_killed')} | "
+                     f"{f['samples_lost']:g} | **{median(f['ratios']):.3f}** [{_interval_text(f['ratios'])}] | "
+                     f"{_verdict(f['ratios'], FT_TARGET)} |")
+    return "\n".join(lines)
+
+
+def ft_without_faults(root: Path) -> str:
+    """One line: the clean runs' steps and ft's ratios to ddp and elastic."""
+    _, s = _ft(root)
+    step = {k: s[k]["step_s"] * 1e3 for k in ("ddp", "elastic", "tuned", "torchft")}
+    return (f"`ddp` {step['ddp']:.2f} ms, `elastic` {step['elastic']:.2f} ms, `ft` {step['tuned']:.2f} ms (tuned; "
+            f"{step['torchft']:.2f} ms torchft's); per round `ft` / `ddp` {_ratio(s['step_ratios']['ddp'])} and "
+            f"`ft` / `elastic` {_ratio(s['step_ratios']['elastic'])}; measured as the training span per step, which "
+            f"includes `elastic`'s snapshots, `ft` / `elastic` is {_ratio(s['span_ratios'])} "
+            f"({s['tuned']['span_step_s'] * 1e3:.2f} ms against {s['elastic']['span_step_s'] * 1e3:.2f} ms)")
+
+
+def ft_break_even(root: Path) -> str:
+    """One line: the break-even arithmetic with tuned timeouts."""
+    _, s = _ft(root)
+    t, e = s["tuned"], s["elastic"]
+    return (f"({e['lost_s']:.2f} − {t['lost_s']:.2f}) s / ({t['span_step_s'] * 1e3:.2f} − "
+            f"{e['span_step_s'] * 1e3:.2f}) ms = **{t['break_even_steps']:,.0f} steps**")
+
+
 def _pct(x: float) -> str:
     return f"{round(100 * x) + 0:+d} %".replace("-", "−")  # + 0: no "-0 %"
 
@@ -152,6 +230,10 @@ def _span(values, fmt: str) -> str:
 QUOTES: dict[str, Callable[[Path], str]] = {
     "recording-cost": recording_cost,
     "recording-cost-line": recording_cost_line,
+    "ft-recovery": ft_recovery,
+    "ft-recovery-table": ft_recovery_table,
+    "ft-without-faults": ft_without_faults,
+    "ft-break-even": ft_break_even,
     "width-sweep": width_sweep,
     "width-sweep-predictions": width_sweep_predictions,
     "width-sweep-runs": width_sweep_runs,

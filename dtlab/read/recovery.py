@@ -22,12 +22,17 @@ line up on one timeline (``dtlab.plots.recovery.recovery_timeline``). The parts:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 import pandas as pd
 
 from dtlab.core.results import RunResult
+from dtlab.cost.goodput import break_even_steps
 from dtlab.read import elastic, ft
+from dtlab.read.rounds import median, ratios
 
-__all__ = ["NOT_BACK", "PARTS", "elastic_parts", "ft_parts"]
+__all__ = ["NOT_BACK", "PARTS", "elastic_parts", "ft_against_elastic", "ft_parts"]
 
 NOT_BACK = "not back by the end"
 PARTS = ("detection", "restart", "rendezvous", "quorum", "snapshot load", "state transfer", "redone steps", NOT_BACK)
@@ -105,3 +110,38 @@ def ft_parts(result: RunResult | pd.DataFrame, label: str = "ft", unfinished: bo
             break
         marks.append((part, after))
     return pd.DataFrame(rows + _rows(f"{label}: restarted group", t0, marks))
+
+
+def ft_against_elastic(rows: Iterable[Mapping[str, Any]], settings: Iterable[str] = ("torchft", "tuned")
+                       ) -> dict[str, Any]:
+    """What ``benchmarks/ft_recovery.py`` reports, read from its rows (one per round and variant: ``elastic``,
+    ``ft_<setting>``, each also ``_killed``, and ``ddp``; with ``lost_s``, ``span_step_s``, ``step_s``,
+    ``redone_steps``, ``samples_lost``): medians over the measured rounds and each round's ratios.
+
+    Per setting: ``ratios`` (``ft``'s time lost per fault over ``elastic``'s, per round), ``lost_s``,
+    ``redone_steps``, ``samples_lost`` and ``break_even_steps`` (on the training spans per step). Without
+    faults: ``span_ratios`` (``ft`` tuned over ``elastic``, per step of the span, elastic's snapshots
+    included) and ``step_ratios`` (``ft`` tuned over ``ddp`` and over ``elastic``, the steps alone).
+    """
+    rows = [dict(r) for r in rows]
+
+    def med(variant: str, key: str) -> float:
+        return median(float(r[key]) for r in rows if r["variant"] == variant and r["round"] >= 0)
+
+    lost_e, span_e = med("elastic_killed", "lost_s"), med("elastic", "span_step_s")
+    out: dict[str, Any] = {"rounds": len({r["round"] for r in rows if r["round"] >= 0}),
+                           "elastic": {"lost_s": lost_e, "redone_steps": med("elastic_killed", "redone_steps"),
+                                       "span_step_s": span_e, "step_s": med("elastic", "step_s")},
+                           "ddp": {"step_s": med("ddp", "step_s")}}
+    for setting in settings:
+        v = f"ft_{setting}"
+        lost_f = med(f"{v}_killed", "lost_s")
+        out[setting] = {"ratios": ratios(rows, f"{v}_killed", "elastic_killed", "lost_s"), "lost_s": lost_f,
+                        "redone_steps": med(f"{v}_killed", "redone_steps"),
+                        "samples_lost": med(f"{v}_killed", "samples_lost"),
+                        "span_step_s": med(v, "span_step_s"), "step_s": med(v, "step_s"),
+                        "break_even_steps": break_even_steps(med(v, "span_step_s") - span_e,
+                                                             max(lost_e, 0.0) - max(lost_f, 0.0))}
+    out["span_ratios"] = ratios(rows, "ft_tuned", "elastic", "span_step_s")
+    out["step_ratios"] = {base: ratios(rows, "ft_tuned", base, "step_s") for base in ("ddp", "elastic")}
+    return out

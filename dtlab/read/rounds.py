@@ -1,7 +1,8 @@
-"""The interval quoted beside a median of per-round values, named for what it is.
+"""Interleaved rounds read back: one variant's value per round, two variants' per-round ratios, their median
+and the interval quoted beside it, named for what it is.
 
-Benchmarks, figures and the pages that quote them all take their intervals from here, so a "90 %" is
-always a bootstrap from enough rounds to mean it and fewer rounds are called what they are: a min-max.
+Benchmarks, figures and the pages that quote them all read their rows through here, so a "90 %" is always a
+bootstrap from enough rounds to mean it and fewer rounds are called what they are: a min-max.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
-__all__ = ["BOOTSTRAP_MIN_ROUNDS", "Interval", "median_interval"]
+__all__ = ["BOOTSTRAP_MIN_ROUNDS", "Interval", "median", "median_interval", "per_round", "ratios"]
 
 BOOTSTRAP_MIN_ROUNDS = 10
 
@@ -52,3 +53,21 @@ def median_interval(values: Iterable[float], level: float = 0.9, resamples: int 
     tail = (1 - level) / 2
     return Interval(medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))],
                     f"{100 * level:g} % bootstrap")
+
+
+def per_round(rows: Iterable[Mapping[str, Any]], variant: str, key: str) -> dict[int, float]:
+    """``{round: value}`` of one variant's measurement, measured rounds only (warm-up rounds are negative)."""
+    return {int(r["round"]): float(r[key]) for r in rows if r["variant"] == variant and r["round"] >= 0}
+
+
+def ratios(rows: Iterable[Mapping[str, Any]], numerator: str, denominator: str, key: str) -> list[float]:
+    """Per-round ``numerator / denominator`` of ``key``: the two ran in the same round."""
+    rows = list(rows)
+    num, den = per_round(rows, numerator, key), per_round(rows, denominator, key)
+    return [num[r] / den[r] for r in sorted(num.keys() & den.keys()) if den[r] > 0]
+
+
+def median(values: Iterable[float]) -> float:
+    """The median, NaNs left out (NaN where nothing is left)."""
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else float("nan")
