@@ -163,16 +163,6 @@ def judge_seed(rows: list[dict[str, Any]], curves: Mapping[tuple[int, str], pd.D
     return problems
 
 
-def best_h(rows: list[dict[str, Any]]) -> str:
-    """The fp32 DiLoCo run at 200 Mbit/s with the lowest median time ratio over the seeds (not reached: inf);
-    between equal ones, the lowest median final held-out loss."""
-    names = {r["variant"] for r in rows if r["h"] and r["comm_dtype"] == "fp32" and r["link_mbit"] == SLOW}
-    score = {n: (common.median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
-                                for r in rows if r["variant"] == n]),
-                 common.median([r["heldout_final"] for r in rows if r["variant"] == n])) for n in names}
-    return min(sorted(score), key=score.get)
-
-
 def read_lrs(out: Path) -> tuple[dict[str, Any], str]:
     """The sweep's choices: DDP's lr, DiLoCo's inner lr (at H = 20) and its outer lr per H (H = 20's for the
     streaming and quantised runs)."""
@@ -251,7 +241,7 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]], tuned: str, quick: bool) -> None:
-    h = best_h(rows)
+    h = judge.best_h(rows, SLOW)
     ratios = [r["time_ratio"] for r in rows if r["variant"] == h]
     verdict = judge.verdict(ratios, BOUND)
     per_seed = ", ".join(f"seed {r['seed']}: {r['reached']} / DDP {judge.reached_text(r['ddp_time_to_target_s'])}"

@@ -20,10 +20,12 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pandas as pd
 
+from dtlab.read.diloco import best_h, verdict
 from dtlab.read.recovery import ft_against_elastic
 from dtlab.read.rounds import median, median_interval
 from dtlab.read.speedup import crossover
@@ -45,6 +47,8 @@ def _interval_text(values: Sequence[float]) -> str:
 
 OVERHEAD = FIGURES / "instrument_overhead_training.csv"
 FT_RECOVERY = FIGURES / "ft_recovery.csv"
+DILOCO = FIGURES / "diloco_link.csv"
+DILOCO_BOUND, SLOW_MBIT = 0.5, 200.0  # benchmarks/diloco_link.py's target (of DDP's time, every seed) and link
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
@@ -217,6 +221,61 @@ def ft_break_even(root: Path) -> str:
             f"{e['span_step_s'] * 1e3:.2f}) ms = **{t['break_even_steps']:,.0f} steps**")
 
 
+def _diloco_label(r: Any) -> str:
+    name = "DDP" if not r.h else f"DiLoCo H = {r.h}"
+    if r.fragments > 1:
+        name += f", streaming ({r.fragments} fragments)"
+    if r.comm_dtype != "fp32":
+        name += f", {r.comm_dtype} pseudo-gradients"
+    link = f"{r.link_mbit / 1000:g} Gbit/s" if r.link_mbit >= 1000 else f"{r.link_mbit:g} Mbit/s"
+    return f"{name}, {link}"
+
+
+def diloco_link_table(root: Path) -> str:
+    """Per run of ``benchmarks/diloco_link.py``: bytes per step, held-out loss and time to DDP's, per seed."""
+    rows = pd.read_csv(root / DILOCO)
+    seeds = sorted(rows["seed"].unique())
+    per_seed = " / ".join(str(s) for s in seeds)
+    lines = [f"| run | outer lr | bytes per step (recorded) | / DDP's (arithmetic) | held-out loss after "
+             f"{rows['samples'].iloc[0]:,} samples, seeds {per_seed} | time to DDP's held-out loss (s), seeds "
+             f"{per_seed} | / DDP's time |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for variant in rows.sort_values(["seed", "round", "order"])["variant"].drop_duplicates():
+        v = rows[rows["variant"] == variant].sort_values("seed")
+        r = v.iloc[0]
+        times = ["not reached" if pd.isna(t) else f"{t:.2f}" for t in v["time_to_target_s"]]
+        ratios = ["—" if pd.isna(t) else f"{t:.3g}" for t in v["time_ratio"]]
+        lines.append(f"| {_diloco_label(r)} | {'—' if pd.isna(r.outer_lr) else f'{r.outer_lr:g}'} | "
+                     f"{r.payload_bytes_per_step / 1e6:.4g} MB | {r.bytes_ratio:.4g} ({r.bytes_ratio_arithmetic:.4g})"
+                     f" | {' / '.join(f'{x:.3f}' for x in v['heldout_final'])} | "
+                     f"{'not reached on any seed' if set(times) == {'not reached'} else ' / '.join(times)} | "
+                     f"{'—' if set(ratios) == {'—'} else ' / '.join(ratios)} |")
+    return "\n".join(lines)
+
+
+def diloco_link(root: Path) -> str:
+    """One line: whether DiLoCo at its best H reached DDP's held-out loss in time, seed by seed, and the codes."""
+    rows = pd.read_csv(root / DILOCO)
+    best = best_h(rows.to_dict("records"), SLOW_MBIT)
+    v = rows[rows["variant"] == best].sort_values("seed")
+    met = verdict(list(v["time_ratio"]), DILOCO_BOUND)["met"]
+    reached = v.dropna(subset=["time_ratio"])
+    missed = v[v["time_ratio"].isna()]
+    fp32 = rows[(rows["h"] == v["h"].iloc[0]) & (rows["fragments"] == 1) & (rows["link_mbit"] == SLOW_MBIT)]
+    quantised = fp32[fp32["comm_dtype"].isin(["int8", "fp8"])]
+    base = fp32[fp32["comm_dtype"] == "fp32"].set_index("seed")["heldout_final"]
+    gap = (quantised.set_index("seed")["heldout_final"] - base).abs().max()
+    above = " and ".join(f"{x:.3f}" for x in missed["heldout_final"] - missed["target_heldout"])
+    seeds = f"{len(reached)} seed{'' if len(reached) == 1 else 's'} of {len(v)}"
+    return (f"DiLoCo (H = {v['h'].iloc[0]}) reaches DDP's final held-out loss on {seeds}"
+            + (f", there in {_span(reached['time_ratio'], '{:.3f}')} of the time DDP takes to first reach it"
+               if len(reached) else "")
+            + (f"; on the others it ends {above} above it" if len(missed) else "")
+            + f" (target ≤ {DILOCO_BOUND:g} of DDP's time on every seed: {'met' if met else 'not met'}). Bytes per "
+            f"step 1/H of DDP's (arithmetic); int8 or fp8 pseudo-gradients send 1/"
+            f"{1 / quantised['bytes_ratio'].iloc[0] * v['bytes_ratio'].iloc[0]:.1f} of fp32's, held-out loss within "
+            f"{gap:.4f}")
+
+
 def _pct(x: float) -> str:
     return f"{round(100 * x) + 0:+d} %".replace("-", "−")  # + 0: no "-0 %"
 
@@ -230,6 +289,8 @@ def _span(values, fmt: str) -> str:
 QUOTES: dict[str, Callable[[Path], str]] = {
     "recording-cost": recording_cost,
     "recording-cost-line": recording_cost_line,
+    "diloco-link": diloco_link,
+    "diloco-link-table": diloco_link_table,
     "ft-recovery": ft_recovery,
     "ft-recovery-table": ft_recovery_table,
     "ft-without-faults": ft_without_faults,

@@ -19,6 +19,7 @@ between evaluations by default (a run only knows it reached a loss when it evalu
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -136,3 +137,16 @@ def verdict(ratios: Sequence[float], bound: float) -> dict[str, Any]:
     reached = [r for r in ratios if not math.isnan(r)]
     return {"met": len(reached) == len(ratios) > 0 and max(reached) <= bound, "ratios": list(ratios),
             "not_reached": len(ratios) - len(reached), "bound": bound}
+
+
+def best_h(rows: Iterable[Mapping[str, Any]], link_mbit: float) -> str:
+    """The fp32 DiLoCo variant on ``link_mbit`` with the lowest median time ratio over the seeds (not reached:
+    inf); between equal ones, the lowest median final held-out loss."""
+    rows = list(rows)
+    names = {r["variant"] for r in rows if r["h"] and r["comm_dtype"] == "fp32" and r["link_mbit"] == link_mbit}
+    if not names:
+        raise ValueError(f"no fp32 DiLoCo rows at {link_mbit:g} Mbit/s")
+    score = {n: (statistics.median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
+                                    for r in rows if r["variant"] == n]),
+                 statistics.median([r["heldout_final"] for r in rows if r["variant"] == n])) for n in names}
+    return min(sorted(score), key=score.get)
