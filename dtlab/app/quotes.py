@@ -25,6 +25,7 @@ from typing import Any
 import nbformat
 import pandas as pd
 
+from dtlab.experiments.ddp_steps import summary
 from dtlab.read.diloco import best_h, verdict
 from dtlab.read.recovery import ft_against_elastic
 from dtlab.read.rounds import median, median_interval
@@ -49,6 +50,7 @@ OVERHEAD = FIGURES / "instrument_overhead_training.csv"
 FT_RECOVERY = FIGURES / "ft_recovery.csv"
 DILOCO = FIGURES / "diloco_link.csv"
 DILOCO_BOUND, SLOW_MBIT = 0.5, 200.0  # benchmarks/diloco_link.py's target (of DDP's time, every seed) and link
+COSTMODEL = FIGURES / "costmodel_error.csv"
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
@@ -276,8 +278,28 @@ def diloco_link(root: Path) -> str:
             f"{gap:.4f}")
 
 
-def _pct(x: float) -> str:
-    return f"{round(100 * x) + 0:+d} %".replace("-", "−")  # + 0: no "-0 %"
+def costmodel_error(root: Path) -> str:
+    """One line: the cost model's median and worst error over the counted points, against its targets."""
+    s = summary(pd.read_csv(root / COSTMODEL))
+    return (f"median error {100 * s['median_error']:.1f} %, worst {100 * s['max_error']:.1f} % over "
+            f"{s['counted']} counted points (targets ≤ {100 * s['median_target']:.0f} % and "
+            f"≤ {100 * s['max_target']:.0f} %: {'met' if s['passed'] else 'not met'})")
+
+
+def costmodel_error_table(root: Path) -> str:
+    """Per point: the bucket cap, the predicted and measured step, the error and whether it is counted."""
+    lines = ["| point | bucket cap (MB) | predicted (ms) | measured (ms) | error | counted |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in pd.read_csv(root / COSTMODEL).itertuples():
+        counted = "yes" if r.counted else f"no: {r.world_size} ranks on 2 cores" if r.oversubscribed else "no"
+        lines.append(f"| {r.label.replace(' (oversubscribed)', '')} | {r.bucket_cap_mb:g} | "
+                     f"{1e3 * r.predicted_s:.1f} | {1e3 * r.measured_s:.1f} | {_pct(r.signed_error, 1)} | {counted} |")
+    return "\n".join(lines)
+
+
+def _pct(x: float, digits: int = 0) -> str:
+    value = round(100 * x, digits) + 0  # + 0: no "-0 %"
+    return f"{value:+.{digits}f} %".replace("-", "−")
 
 
 def _span(values, fmt: str) -> str:
@@ -289,6 +311,8 @@ def _span(values, fmt: str) -> str:
 QUOTES: dict[str, Callable[[Path], str]] = {
     "recording-cost": recording_cost,
     "recording-cost-line": recording_cost_line,
+    "costmodel-error": costmodel_error,
+    "costmodel-error-table": costmodel_error_table,
     "diloco-link": diloco_link,
     "diloco-link-table": diloco_link_table,
     "ft-recovery": ft_recovery,
