@@ -25,6 +25,7 @@ from typing import Any
 import nbformat
 import pandas as pd
 
+from dtlab.cost.planner.validate import TARGETS
 from dtlab.experiments.ddp_steps import summary
 from dtlab.read.diloco import best_h, verdict
 from dtlab.read.recovery import ft_against_elastic
@@ -51,6 +52,7 @@ FT_RECOVERY = FIGURES / "ft_recovery.csv"
 DILOCO = FIGURES / "diloco_link.csv"
 DILOCO_BOUND, SLOW_MBIT = 0.5, 200.0  # benchmarks/diloco_link.py's target (of DDP's time, every seed) and link
 COSTMODEL = FIGURES / "costmodel_error.csv"
+PLANNER = FIGURES / "planner_validation.csv"
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
@@ -297,6 +299,24 @@ def costmodel_error_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def planner_validation(root: Path) -> str:
+    """One line: the planner against published runs, out of sample (leave one source out) and in-sample."""
+    rows = pd.read_csv(root / PLANNER)
+    scored = rows[rows["scored"].astype(bool)]
+
+    def errors(column: str) -> tuple[float, float]:
+        e = scored[column]
+        return float(e.abs().median()), float(e.loc[e.abs().idxmax()])
+
+    (med, worst), (med_in, worst_in) = errors("error"), errors("error_in_sample")
+    met = med <= TARGETS[0] and abs(worst) <= TARGETS[1]
+    return (f"{len(rows)} runs on {rows['gpus'].min():,} to {rows['gpus'].max():,} GPUs from "
+            f"{rows['source'].nunique()} sources, each at its published layout, {len(scored)} scored; each source "
+            f"predicted with the constants (one per GPU die) refitted without it: median error {100 * med:.1f} %, "
+            f"worst {_pct(worst, 1)} (targets ≤ {100 * TARGETS[0]:.0f} %, ≤ {100 * TARGETS[1]:.0f} %: "
+            f"{'met' if met else 'not met'}; in-sample {100 * med_in:.1f} %, {_pct(worst_in, 1)})")
+
+
 def _pct(x: float, digits: int = 0) -> str:
     value = round(100 * x, digits) + 0  # + 0: no "-0 %"
     return f"{value:+.{digits}f} %".replace("-", "−")
@@ -319,6 +339,7 @@ QUOTES: dict[str, Callable[[Path], str]] = {
     "ft-recovery-table": ft_recovery_table,
     "ft-without-faults": ft_without_faults,
     "ft-break-even": ft_break_even,
+    "planner-validation": planner_validation,
     "width-sweep": width_sweep,
     "width-sweep-predictions": width_sweep_predictions,
     "width-sweep-runs": width_sweep_runs,
