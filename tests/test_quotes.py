@@ -17,10 +17,10 @@ def test_every_quoted_block_agrees_with_its_committed_result():
 
 @pytest.mark.parametrize(("page", "names"), [
     ("README.md", {"recording-cost-line", "width-sweep", "width-sweep-predictions", "ft-recovery", "diloco-link",
-                   "costmodel-error", "planner-validation"}),
+                   "costmodel-error", "planner-validation", "demo-compare"}),
     ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs", "ft-recovery-table",
                              "ft-without-faults", "ft-break-even", "diloco-link", "diloco-link-table",
-                             "costmodel-error", "costmodel-error-table"}),
+                             "costmodel-error", "costmodel-error-table", "demo-compare-table"}),
     ("notebooks/01_single_device.ipynb", {"recording-cost"}),
     ("notebooks/11_compare.ipynb", {"recording-cost", "width-sweep"}),
 ])

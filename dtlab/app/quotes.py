@@ -53,6 +53,7 @@ DILOCO = FIGURES / "diloco_link.csv"
 DILOCO_BOUND, SLOW_MBIT = 0.5, 200.0  # benchmarks/diloco_link.py's target (of DDP's time, every seed) and link
 COSTMODEL = FIGURES / "costmodel_error.csv"
 PLANNER = FIGURES / "planner_validation.csv"
+DEMO = FIGURES / "demo_compare.csv"
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
@@ -317,6 +318,28 @@ def planner_validation(root: Path) -> str:
             f"{'met' if met else 'not met'}; in-sample {100 * med_in:.1f} %, {_pct(worst_in, 1)})")
 
 
+def demo_compare_table(root: Path) -> str:
+    """The demo's comparison, one row per tier (``python -m dtlab compare``'s compare.csv)."""
+    lines = ["| tier | world | median step (ms) | samples/s | final loss | test acc. | max \\|Δparam\\| vs single | "
+             "collectives/step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in pd.read_csv(root / DEMO).itertuples():
+        diff = "0" if r.max_param_diff_vs_single == 0 else f"{r.max_param_diff_vs_single:.1e}".replace("e-0", "e-")
+        lines.append(f"| {r.tier} | {r.world_size} | {r.median_step_ms:.2f} | {r.samples_per_s:,.0f} | "
+                     f"{r.final_loss:.4f} | {r.test_accuracy:.3f} | {diff} | {r.collectives_per_step:.3g} |")
+    return "\n".join(lines)
+
+
+def demo_compare(root: Path) -> str:
+    """One line: the demo's parallel tiers against one process, and ddp-naive against ddp."""
+    d = pd.read_csv(root / DEMO).set_index("tier")
+    parallel = d[d["world_size"] > 1]
+    slower = (parallel["speedup"] < 1).sum()
+    who = "every parallel tier" if slower == len(parallel) else f"{slower} of {len(parallel)} parallel tiers"
+    ms = d["median_step_ms"]
+    return (f"{who} slower than one process (`ddp` {ms['ddp']:.2f} ms, `single` {ms['single']:.2f} ms a step, "
+            f"one run; `ddp-naive` {ms['ddp-naive'] / ms['ddp']:.1f}× `ddp`'s step)")
+
+
 def _pct(x: float, digits: int = 0) -> str:
     value = round(100 * x, digits) + 0  # + 0: no "-0 %"
     return f"{value:+.{digits}f} %".replace("-", "−")
@@ -333,6 +356,8 @@ QUOTES: dict[str, Callable[[Path], str]] = {
     "recording-cost-line": recording_cost_line,
     "costmodel-error": costmodel_error,
     "costmodel-error-table": costmodel_error_table,
+    "demo-compare": demo_compare,
+    "demo-compare-table": demo_compare_table,
     "diloco-link": diloco_link,
     "diloco-link-table": diloco_link_table,
     "ft-recovery": ft_recovery,
