@@ -34,6 +34,7 @@ from dtlab import plots
 from dtlab.core.config import RunConfig
 from dtlab.experiments import linksweep
 from dtlab.launch import netns
+from dtlab.read import multinode
 
 NAME = "link_sweep"
 CAPS_MBIT = (10_000.0, 200.0)
@@ -56,12 +57,6 @@ def points(runs: pd.DataFrame) -> pd.DataFrame:
     df["eval_loss_min"], df["eval_loss_max"] = g["eval_loss"].min(), g["eval_loss"].max()
     df["rounds"] = g.size()
     return df.reset_index()
-
-
-def step_ratios(runs: pd.DataFrame, hook: str, mbit: float, delay: float) -> list[float]:
-    """Per round: ``hook``'s step time over the all-reduce's on the same link."""
-    at = runs[(runs["link_mbit"] == mbit) & (runs["link_delay_ms"] == delay)].set_index(["round", "comm_hook"])
-    return [at.loc[(r, hook), "step_ms"] / at.loc[(r, "allreduce"), "step_ms"] for r in sorted(set(runs["round"]))]
 
 
 def main() -> None:
@@ -96,17 +91,15 @@ def main() -> None:
                        f"loss {row.eval_loss:.3f} ({row.eval_loss_min:.3f}-{row.eval_loss_max:.3f})"
                        for row in df.itertuples())
     slow, delay = min(caps), max(delays)
-    fp16 = step_ratios(runs, "fp16", slow, min(delays))
+    fp16 = multinode.step_ratios(runs, "fp16", slow, min(delays))
     common.result_line(f"{NAME}.fp16_at_200mbit", common.median(fp16), "none: < 1 means compression pays",
                        quick=args.quick, detail=f"{common.ratio_text(fp16)}; {load}; {detail}")
     if "powersgd" in hooks:
-        psgd = step_ratios(runs, "powersgd", slow, delay)
+        psgd = multinode.step_ratios(runs, "powersgd", slow, delay)
         common.result_line(f"{NAME}.powersgd_at_200mbit_2ms", common.median(psgd), "none: < 1 means it pays",
                            quick=args.quick, detail=common.ratio_text(psgd))
     if 10_000.0 in caps:
-        at = runs[(runs["comm_hook"] == "allreduce") & (runs["link_delay_ms"] == 0)].pivot(
-            index="round", columns="link_mbit", values="step_ms")
-        slowdown = list(at[slow] / at[10_000.0])
+        slowdown = multinode.slowdown(runs, slow)
         common.result_line(f"{NAME}.slowdown_200mbit", common.median(slowdown), "none: the cost of a slow link",
                            quick=args.quick, detail=common.ratio_text(slowdown))
 

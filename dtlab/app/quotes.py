@@ -27,6 +27,7 @@ import pandas as pd
 
 from dtlab.cost.planner.validate import TARGETS
 from dtlab.experiments.ddp_steps import summary
+from dtlab.read import multinode
 from dtlab.read.diloco import best_h, verdict
 from dtlab.read.recovery import ft_against_elastic
 from dtlab.read.rounds import median, median_interval
@@ -54,6 +55,7 @@ DILOCO_BOUND, SLOW_MBIT = 0.5, 200.0  # benchmarks/diloco_link.py's target (of D
 COSTMODEL = FIGURES / "costmodel_error.csv"
 PLANNER = FIGURES / "planner_validation.csv"
 DEMO = FIGURES / "demo_compare.csv"
+LINK_SWEEP = FIGURES / "link_sweep_runs.csv"
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
 TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
@@ -340,6 +342,24 @@ def demo_compare(root: Path) -> str:
             f"one run; `ddp-naive` {ms['ddp-naive'] / ms['ddp']:.1f}× `ddp`'s step)")
 
 
+def link_sweep(root: Path) -> str:
+    """One line: what a slow link costs DDP, and what PowerSGD and fp16 compression win back, per round."""
+    runs = pd.read_csv(root / LINK_SWEEP)
+    slow, delay = runs["link_mbit"].min(), runs["link_delay_ms"].max()
+    slowdown = multinode.slowdown(runs, slow)
+    psgd, psgd_delayed = (multinode.step_ratios(runs, "powersgd", slow, d) for d in (0.0, delay))
+    fp16_delayed = multinode.step_ratios(runs, "fp16", slow, delay)
+    held = runs[(runs["link_mbit"] == slow) & (runs["link_delay_ms"] == 0)].pivot(
+        index="seed", columns="comm_hook", values="eval_loss")
+    worse = (held["powersgd"] > held["allreduce"]).sum()
+    return (f"{median(slowdown):.1f}× slower at {slow:g} Mbit/s than at 10 Gbit/s; PowerSGD takes the step to "
+            f"{_ratio(psgd)} of the all-reduce's, but with {delay:g} ms of delay each way only to "
+            f"{median(psgd_delayed):.2f} (its chained all-reduces pay the delay each time; fp16 "
+            f"{median(fp16_delayed):.2f}), and its held-out loss is worse on "
+            f"{'every seed' if worse == len(held) else f'{worse} of {len(held)} seeds'} (fp16's within "
+            f"{(held['fp16'] - held['allreduce']).abs().max():.3f})")
+
+
 def _pct(x: float, digits: int = 0) -> str:
     value = round(100 * x, digits) + 0  # + 0: no "-0 %"
     return f"{value:+.{digits}f} %".replace("-", "−")
@@ -364,6 +384,7 @@ QUOTES: dict[str, Callable[[Path], str]] = {
     "ft-recovery-table": ft_recovery_table,
     "ft-without-faults": ft_without_faults,
     "ft-break-even": ft_break_even,
+    "link-sweep": link_sweep,
     "planner-validation": planner_validation,
     "width-sweep": width_sweep,
     "width-sweep-predictions": width_sweep_predictions,

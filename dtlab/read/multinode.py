@@ -1,4 +1,5 @@
-"""Reading a multi-node run: where each rank ran, and how the torchrun agents started the ranks."""
+"""Reading a multi-node run: where each rank ran, how the torchrun agents started the ranks, and the link
+sweep's rows (``benchmarks/link_sweep.py``: one per round, link and comm hook)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,16 @@ def launch(result: RunResult | Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"agent_pids": [int(p) for p in agents["agent_pid"]],
             "rdzv_ids": list(dict.fromkeys(agents["rdzv_id"])) if "rdzv_id" in agents else [],
             "parents": {int(w.rank): int(w.agent_pid) for w in workers.itertuples()}}
+
+
+def step_ratios(runs: pd.DataFrame, hook: str, mbit: float, delay: float) -> list[float]:
+    """Link sweep, per round: ``hook``'s step time over the all-reduce's on the same link."""
+    at = runs[(runs["link_mbit"] == mbit) & (runs["link_delay_ms"] == delay)].set_index(["round", "comm_hook"])
+    return [at.loc[(r, hook), "step_ms"] / at.loc[(r, "allreduce"), "step_ms"] for r in sorted(set(runs["round"]))]
+
+
+def slowdown(runs: pd.DataFrame, slow: float, fast: float = 10_000.0) -> list[float]:
+    """Link sweep, per round: the all-reduce's step time on ``slow`` Mbit/s over ``fast`` (no delay)."""
+    at = runs[(runs["comm_hook"] == "allreduce") & (runs["link_delay_ms"] == 0)].pivot(
+        index="round", columns="link_mbit", values="step_ms")
+    return list(at[slow] / at[fast])
