@@ -6,7 +6,7 @@ import nbformat
 import pandas as pd
 import pytest
 
-from dtlab.app import quotes
+from dtlab.app import quoted, quotes
 
 ROOT = quotes.ROOT
 
@@ -55,8 +55,8 @@ def house(tmp_path):
     """A checkout in miniature: the two results, and a README and a notebook that quote them."""
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     (tmp_path / "notebooks").mkdir()
-    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.20])).to_csv(tmp_path / quotes.OVERHEAD, index=False)
-    pd.DataFrame(_sweep_rows()).to_csv(tmp_path / quotes.SWEEPS, index=False)
+    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.20])).to_csv(tmp_path / quoted.OVERHEAD, index=False)
+    pd.DataFrame(_sweep_rows()).to_csv(tmp_path / quoted.SWEEPS, index=False)
     (tmp_path / "README.md").write_text(
         "| cost | <!-- quote:recording-cost-line -->old<!-- /quote:recording-cost-line --> |\n"
         "\n<!-- quote:width-sweep-runs -->\nold\n<!-- /quote:width-sweep-runs -->\n")
@@ -79,7 +79,7 @@ def test_rendering_writes_the_results_numbers_and_a_changed_result_is_caught(hou
     assert ("2 runs of the sweep, 2026-12-01, 2026-12-02: ddp reached at most 0.70–0.80× of one 2-thread process "
             "(at width 1024); against single on one thread it pays from a width of about") in cell
     # a result measured again, its pages not rewritten: the check names the page and the quote
-    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.30, 1.40])).to_csv(house / quotes.OVERHEAD, index=False)
+    pd.DataFrame(_overhead_rows([1.05, 1.01, 1.30, 1.40])).to_csv(house / quoted.OVERHEAD, index=False)
     assert quotes.check(house) == ["README.md: quote:recording-cost-line differs from its result "
                                    "(python -m dtlab.app.quotes rewrites it)"]
 
@@ -100,20 +100,20 @@ def test_ft_against_elastic_reads_the_benchmarks_rows_and_an_interval_holding_th
                                     ("ddp", 0.0, 0.0)):
             rows.append({"round": r, "variant": variant, "lost_s": lost, "span_step_s": span, "step_s": 0.001,
                          "redone_steps": 0, "samples_lost": 32.0 if variant == "ft_tuned_killed" else 0.0})
-    s = quotes.ft_against_elastic(rows, ("tuned",))
+    s = quoted.ft_against_elastic(rows, ("tuned",))
     assert s["rounds"] == 2 and s["tuned"]["ratios"] == pytest.approx([0.1, 0.3])
     # (1.0 - 0.2) s saved per fault over 1 ms more per step: 800 steps
     assert s["tuned"]["break_even_steps"] == pytest.approx(800)
-    assert quotes._verdict(s["tuned"]["ratios"], 0.2).startswith("unresolved")
-    assert quotes._verdict([0.1, 0.15], 0.2) == "met" and quotes._verdict([0.3, 0.4], 0.2) == "not met"
+    assert quoted._verdict(s["tuned"]["ratios"], 0.2).startswith("unresolved")
+    assert quoted._verdict([0.1, 0.15], 0.2) == "met" and quoted._verdict([0.3, 0.4], 0.2) == "not met"
 
 
 def test_diloco_is_judged_at_its_best_h_seed_by_seed():
-    rows = pd.read_csv(ROOT / quotes.DILOCO)
-    line = quotes.diloco_link(ROOT)
-    best = quotes.best_h(rows.to_dict("records"), quotes.SLOW_MBIT)
+    rows = pd.read_csv(ROOT / quoted.DILOCO)
+    line = quoted.diloco_link(ROOT)
+    best = quoted.best_h(rows.to_dict("records"), quoted.SLOW_MBIT)
     ratios = rows.loc[rows["variant"] == best, "time_ratio"]
     # met only when every seed reached DDP's loss within the bound; the line says which
-    met = bool(ratios.notna().all() and (ratios <= quotes.DILOCO_BOUND).all())
+    met = bool(ratios.notna().all() and (ratios <= quoted.DILOCO_BOUND).all())
     assert (": met)" in line) == met and (": not met)" in line) != met
     assert f"on {int(ratios.notna().sum())} seed" in line
