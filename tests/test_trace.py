@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -179,12 +178,14 @@ def test_every_process_the_trace_started_ends_when_it_is_killed(tmp_path):
 
 
 STUCK = """
-import time, torch, torch.distributed as dist
+import threading, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 dist.all_reduce(torch.ones(4))
 if dist.get_rank() == 1:
-    print("ready", flush=True)  # one rank prints: two ranks' prints can interleave into "readyready"
     time.sleep(600)  # never reaches the all-reduce rank 0 waits in
+# rank 0 says so from a thread once it is inside its second all-reduce (one rank prints: two ranks' prints
+# could interleave into "readyready")
+threading.Timer(0.5, lambda: print("ready", flush=True)).start()
 dist.all_reduce(torch.ones(4))
 """
 
@@ -201,9 +202,12 @@ def test_ctrl_c_on_a_hang_saves_what_the_ranks_recorded_and_names_the_rank(tmp_p
     try:
         assert cli_proc.stdout.readline().strip() == "ready"
         family = psutil.Process(cli_proc.pid).children(recursive=True)
-        time.sleep(1.0)  # rank 0 is inside its second all-reduce
         cli_proc.send_signal(signal.SIGINT)
-        _, err = cli_proc.communicate(timeout=60)
+        try:
+            _, err = cli_proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            cli_proc.kill()
+            pytest.fail(f"dtlab trace did not end within 120 s of Ctrl-C; it printed:\n{cli_proc.communicate()[1]}")
     finally:
         cli_proc.kill()
     assert cli_proc.returncode == 130, err
