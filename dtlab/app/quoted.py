@@ -19,8 +19,8 @@ from dtlab.experiments.ddp_steps import summary
 from dtlab.read import multinode
 from dtlab.read.diloco import best_h, verdict
 from dtlab.read.recovery import ft_against_elastic
-from dtlab.read.rounds import median, median_interval
-from dtlab.read.speedup import crossover
+from dtlab.read.rounds import median, median_interval, per_round, ratios
+from dtlab.read.speedup import TOLERANCE, crossover
 
 FIGURES = Path("docs/figures")
 
@@ -45,21 +45,20 @@ DEMO = FIGURES / "demo_compare.csv"
 LINK_SWEEP = FIGURES / "link_sweep_runs.csv"
 FT_TARGET = 0.2  # benchmarks/ft_recovery.py's: ft loses at most a fifth of what elastic loses per fault
 SWEEPS = FIGURES / "width_sweep_runs.csv"
-TOLERANCE = 0.3  # the width sweep's target: every predicted speedup within 30 % of the measured one
 
 
 def recording_costs(root: Path) -> pd.DataFrame:
     """Per tier and job: the median step without recording, and each round's recorded / not recorded ratio."""
     runs = pd.read_csv(root / OVERHEAD)
-    runs = runs[runs["round"] >= 0]
+    runs = runs[runs["round"] >= 0]  # listed in the order of the first measured round
     out = []
     for (tier, size), job in runs.groupby(["tier", "size"], sort=False):
-        mode = job["variant"].str.rsplit(":", n=1).str[1]
-        plain = job[mode == "plain"].set_index("round")["median_step_s"]
-        ratios = (job[mode == "instrumented"].set_index("round")["median_step_s"] / plain).dropna()
+        rows, key = job.to_dict("records"), f"{tier}:{size}"
+        per = ratios(rows, f"{key}:instrumented", f"{key}:plain", "median_step_s")
         model = "charformer" if size == "charformer" else f"MLP {job['model_size'].iloc[0]}"
         out.append({"tier": tier, "job": f"{model}, global batch {job['global_batch'].iloc[0]}",
-                    "plain_ms": 1e3 * plain.median(), "ratio": ratios.median(), "ratios": list(ratios)})
+                    "plain_ms": 1e3 * median(per_round(rows, f"{key}:plain", "median_step_s").values()),
+                    "ratio": median(per), "ratios": per})
     return pd.DataFrame(out)
 
 

@@ -33,7 +33,7 @@ def _child(target: Callable[..., Any], args: tuple, start: Any, conn: Any) -> No
 
 
 def run_together(target: Callable[..., Any], per_process_args: Sequence[tuple], what: str) -> list[Any]:
-    """``target(*args)`` for each ``args``, each in its own spawned process, all at once; their results in
+    """``target(*args)`` for each ``args``, each in its own process (from the forkserver), all at once; their results in
     order. ``target`` must be importable (a module-level function). ``what`` names the work in errors."""
     ctx = context("forkserver")
     start = ctx.Barrier(len(per_process_args))

@@ -19,7 +19,6 @@ between evaluations by default (a run only knows it reached a loss when it evalu
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from dtlab.core.config import RunConfig
 from dtlab.core.job import build_job, make_optimizer
 from dtlab.core.results import RunResult
 from dtlab.read.ft import loss_by_time
+from dtlab.read.rounds import median
 
 __all__ = ["CURVE_COLUMNS", "REPLAY_TOLERANCE", "consistency_problems", "ddp_curve", "diloco_curve", "first_reach",
            "reached_text", "replay_heldout", "time_ratio", "verdict"]
@@ -146,7 +146,7 @@ def best_h(rows: Iterable[Mapping[str, Any]], link_mbit: float) -> str:
     names = {r["variant"] for r in rows if r["h"] and r["comm_dtype"] == "fp32" and r["link_mbit"] == link_mbit}
     if not names:
         raise ValueError(f"no fp32 DiLoCo rows at {link_mbit:g} Mbit/s")
-    score = {n: (statistics.median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
-                                    for r in rows if r["variant"] == n]),
-                 statistics.median([r["heldout_final"] for r in rows if r["variant"] == n])) for n in names}
+    score = {n: (median([r["time_ratio"] if not math.isnan(r["time_ratio"]) else math.inf
+                         for r in rows if r["variant"] == n]),
+                 median([r["heldout_final"] for r in rows if r["variant"] == n])) for n in names}
     return min(sorted(score), key=score.get)

@@ -30,7 +30,7 @@ import pandas as pd
 from dtlab.core.results import RunResult
 from dtlab.cost.goodput import break_even_steps
 from dtlab.read import elastic, ft
-from dtlab.read.rounds import median, ratios
+from dtlab.read.rounds import median, per_round, ratios
 
 __all__ = ["NOT_BACK", "PARTS", "elastic_parts", "ft_against_elastic", "ft_parts"]
 
@@ -126,7 +126,7 @@ def ft_against_elastic(rows: Iterable[Mapping[str, Any]], settings: Iterable[str
     rows = [dict(r) for r in rows]
 
     def med(variant: str, key: str) -> float:
-        return median(float(r[key]) for r in rows if r["variant"] == variant and r["round"] >= 0)
+        return median(per_round(rows, variant, key).values())
 
     lost_e, span_e = med("elastic_killed", "lost_s"), med("elastic", "span_step_s")
     out: dict[str, Any] = {"rounds": len({r["round"] for r in rows if r["round"] >= 0}),
