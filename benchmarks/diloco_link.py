@@ -55,7 +55,7 @@ DDP_LRS = (0.0003, 0.001, 0.003, 0.01)
 INNER_LRS = (0.0003, 0.001, 0.003, 0.01)
 OUTER_LRS = (0.05, 0.1, 0.2, 0.4, 0.7)
 DEFAULT_LRS = {"ddp_lr": 0.003, "inner_lr": 0.003, "outer_lr": 0.7}
-BOUND = 0.5
+BOUND = judge.BOUND
 
 
 @dataclass(frozen=True)

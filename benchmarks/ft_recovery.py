@@ -58,7 +58,7 @@ STEPS = 40
 QUICK_PACE = "0:100ms"
 SETTINGS = ("torchft", "tuned")
 STATED_STEP_S = 1.0  # a step of a large model, for the break-even in hours (the same seconds lost per fault)
-TARGET = 0.2
+TARGET = recovery.FT_TARGET
 
 
 def check_ft(result: RunResult, replicas: int, killed: int | None) -> None:

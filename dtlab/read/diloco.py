@@ -37,6 +37,8 @@ __all__ = ["CURVE_COLUMNS", "REPLAY_TOLERANCE", "consistency_problems", "ddp_cur
            "reached_text", "replay_heldout", "time_ratio", "verdict"]
 
 CURVE_COLUMNS = ("step", "samples", "time_s", "heldout_loss")
+# diloco_link's target: DiLoCo reaches the held-out target in at most this share of DDP's time, every seed
+BOUND = 0.5
 REPLAY_TOLERANCE = 0.01  # |replayed - run's own final held-out loss|: float32 rounding stays far below this
 
 

@@ -35,6 +35,8 @@ from dtlab.read.rounds import median, per_round, ratios
 __all__ = ["NOT_BACK", "PARTS", "elastic_parts", "ft_against_elastic", "ft_parts"]
 
 NOT_BACK = "not back by the end"
+# ft_recovery's target: per fault, ft loses at most a fifth of the seconds elastic loses
+FT_TARGET = 0.2
 PARTS = ("detection", "restart", "rendezvous", "quorum", "snapshot load", "state transfer", "redone steps", NOT_BACK)
 # the restarted ft group's parts, each ending at the first event of its kind after the previous one
 _REJOIN = (("detection", "replica_failed"), ("restart", "ft_manager_ready"), ("quorum", "ft_begin"),
