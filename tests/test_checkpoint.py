@@ -12,10 +12,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dtlab import RunConfig
 from dtlab.core.results import RunResult
-from dtlab.tiers import base, checkpoint
-from dtlab.tiers.checkpoint import CheckpointError
 from dtlab.tiers.ddp import Options as DDPOptions
 from dtlab.tiers.fsdp import Options
+from dtlab.tiers.parts import base, checkpoint
+from dtlab.tiers.parts.checkpoint import CheckpointError
 from dtlab.train import preflight, run
 
 TOL = 1e-5
@@ -121,7 +121,7 @@ def test_an_interrupted_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
 @pytest.fixture
 def resumable_loop():
     if not hasattr(base.Strategy, "start_step"):
-        pytest.fail("resuming needs issue 8's changes to dtlab/train.py, dtlab/tiers/base.py and dtlab/memory.py")
+        pytest.fail("resuming needs issue 8's changes to dtlab/train.py, dtlab/tiers/parts/base.py and dtlab/memory.py")
 
 
 @pytest.mark.usefixtures("no_survivors", "resumable_loop")

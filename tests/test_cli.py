@@ -280,6 +280,15 @@ def test_the_registry_names_every_tier_without_importing_one_and_each_module_dec
         registry.get("nope")
 
 
+def test_the_tiers_folder_lists_the_course_and_its_parts_live_below_it():
+    from dtlab import tiers
+
+    folder = Path(tiers.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert modules == {name.replace("-", "_") for name in tiers.TIERS}, "a helper belongs in dtlab/tiers/parts/"
+    assert (folder / "parts" / "base.py").is_file()
+
+
 def test_the_front_door_figures_the_docs_quote_are_the_committed_results():
     root = Path(__file__).resolve().parents[1]
     rows = pd.read_csv(root / "docs" / "figures" / "front_door.csv")

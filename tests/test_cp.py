@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from dtlab import RunConfig
 from dtlab.core.results import RunResult
 from dtlab.launch.local import launch
-from dtlab.tiers import cp, cp_layout
+from dtlab.tiers import cp
 from dtlab.tiers.cp import BACKWARD_TAG, FORWARD_TAG, ring_attention, ring_hops_per_block
-from dtlab.tiers.cp_ulysses import HeadSwap
+from dtlab.tiers.parts import cp_layout
+from dtlab.tiers.parts.cp_ulysses import HeadSwap
 from dtlab.train import run
 from tests.parity import TOL, job, single
 

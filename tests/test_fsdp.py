@@ -11,23 +11,12 @@ from dtlab import RunConfig
 from dtlab.core.models import build
 from dtlab.cost.estimate import compare, estimate
 from dtlab.read.fsdp import comm_exposure
-from dtlab.tiers import base
 from dtlab.tiers.fsdp import Options, shard_units
 from dtlab.train import preflight, run
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 TOL = 1e-5
 LR = {"sgd": 0.05, "adam": 0.01}
-
-
-@pytest.fixture
-def sharding_loop():
-    # The loop must count parameters after wrap() and start at Strategy.start_step (issue 8).
-    if not hasattr(base.Strategy, "start_step"):
-        pytest.fail("the fsdp tier needs issue 8's changes to dtlab/train.py, dtlab/tiers/base.py and dtlab/memory.py")
-
-
-launches = pytest.mark.usefixtures("sharding_loop")
 
 
 def job(optimizer: str, **changes) -> RunConfig:
@@ -67,7 +56,6 @@ def test_units_are_the_blocks():
 
 
 # -- parity --------------------------------------------------------------------------
-@launches
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fsdp_matches_single(world_size, optimizer):
@@ -78,7 +66,6 @@ def test_fsdp_matches_single(world_size, optimizer):
     assert result.ranks[0].evaluation["accuracy"] == pytest.approx(single(optimizer).ranks[0].evaluation["accuracy"])
 
 
-@launches
 def test_world_size_four_and_the_transformer_match_single():
     result = run(job("adam", tier="fsdp", world_size=4), progress=False)
     assert len(result.ranks) == 4 and result.max_param_diff(single("adam")) <= TOL
@@ -91,14 +78,12 @@ def test_world_size_four_and_the_transformer_match_single():
     assert former.logs and not any("returned a view tensor" in log for log in former.logs.values())
 
 
-@launches
 @pytest.mark.parametrize("options", [Options(reshard_after_forward=False), Options(cpu_offload=True)])
 def test_memory_knobs_do_not_change_the_result(options):
     result = run(job("adam", tier="fsdp", world_size=2, tier_options=options), progress=False)
     assert result.max_param_diff(single("adam")) <= TOL
 
 
-@launches
 def test_bf16_gathers_half_the_bytes_and_still_trains():
     cfg = job("adam", tier="fsdp", world_size=2)
     fp32 = run(cfg, progress=False).comm_summary()
@@ -130,7 +115,6 @@ def collectives_per_step(result, rank: int = 0) -> dict[tuple[str, str], int]:
     return {key: n / result.config.steps for key, n in counts.items()}
 
 
-@launches
 @pytest.mark.parametrize("reshard", [True, False])
 def test_one_all_gather_per_unit_and_pass_one_reduce_scatter_per_unit(reshard):
     options = Options(reshard_after_forward=reshard)
@@ -151,7 +135,6 @@ def test_one_all_gather_per_unit_and_pass_one_reduce_scatter_per_unit(reshard):
     assert (exposure["hidden_s"] == 0).all() and (exposure["blocked_s"] > 0).all()
 
 
-@launches
 def test_hsdp_reduce_scatters_within_a_group_and_all_reduces_across():
     """HSDP at 4 ranks, replicate=2: a 2 x 2 mesh, sharded along a row, replicated down a column."""
     cfg = job("adam", tier="fsdp", world_size=4, tier_options=Options(replicate=2))
@@ -178,7 +161,6 @@ def test_hsdp_reduce_scatters_within_a_group_and_all_reduces_across():
     assert wrong.empty, wrong.to_string()
 
 
-@launches
 def test_a_single_rank_communicates_nothing():
     result = run(job("sgd", tier="fsdp", world_size=1, steps=2), progress=False)
     assert result.comm_summary() == {}
@@ -193,7 +175,6 @@ def twenty_linear_layers(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), *[nn.Linear(WIDTH, WIDTH) for _ in range(20)])
 
 
-@launches
 def test_ddp_zero_fsdp_memory_ladder():
     """The ZeRO stages measured: zero shards the optimizer state, fsdp everything."""
     step_counters = 20 * 2 * 4  # Adam keeps one fp32 step count per parameter tensor on every rank

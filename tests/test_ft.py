@@ -15,7 +15,8 @@ from dtlab.launch import lighthouse
 from dtlab.launch.contract import LaunchStopped
 from dtlab.read import ft as ft_runs
 from dtlab.read import recovery as fault_parts
-from dtlab.tiers import ft, replicas
+from dtlab.tiers import ft
+from dtlab.tiers.parts import replicas
 from dtlab.train import preflight
 
 BASE = dict(world_size=2, model_size=64, steps=24, threads_per_rank=1, optimizer="adam")

@@ -15,7 +15,7 @@ import pytest
 from dtlab.core.muon import assign_owners
 from dtlab.core.results import RunResult
 from dtlab.cost.estimate.memory import per_rank
-from dtlab.tiers.fsdp_muon import rows_on
+from dtlab.tiers.parts.fsdp_muon import rows_on
 from dtlab.train import run
 from tests.parity import TOL, job
 

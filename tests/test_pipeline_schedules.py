@@ -9,8 +9,8 @@ import pytest
 from dtlab import plots
 from dtlab.cost import pipeline as pipeline_cost
 from dtlab.read import pipeline as pipeline_runs
+from dtlab.tiers.parts.pipeline_stages import placement, rank_actions
 from dtlab.tiers.pipeline import Options, stages_per_rank
-from dtlab.tiers.pipeline_stages import placement, rank_actions
 
 FORMULA_CASES = [(p, m) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p)]
 
@@ -84,7 +84,7 @@ def _torch_table(schedule, world, microbatches):
     an idle slot, per unit of time), built from stage stand-ins: no processes."""
     from types import SimpleNamespace
 
-    from dtlab.tiers.pipeline_stages import MULTI_STAGE
+    from dtlab.tiers.parts.pipeline_stages import MULTI_STAGE
 
     held = placement(schedule, world, 2)
     total = sum(len(h) for h in held)

@@ -14,7 +14,7 @@ from dtlab.core.charformer import CharFormer
 from dtlab.core.quantise import COMM_DTYPES, decode, encode, encoded_bytes
 from dtlab.read import overlap as ov
 from dtlab.tiers import ddp, fsdp, fsdp_tp, tp
-from dtlab.tiers.fsdp_muon import rows_on
+from dtlab.tiers.parts.fsdp_muon import rows_on
 
 
 # -- the codes ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 import dtlab
 from dtlab import instrument
-from dtlab.tiers.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
+from dtlab.tiers.parts.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
 
 pytestmark = pytest.mark.usefixtures("no_survivors")
 

@@ -1,7 +1,7 @@
 """Context parallelism by the formula: each rank's attention work and each method's bytes.
 
 **Work.** Ring attention computes, for each of a rank's query chunks, the chunks of keys a causal
-mask leaves work in (``dtlab.tiers.cp_ring``). Per chunk pair of c query and c key positions, one
+mask leaves work in (``dtlab.tiers.parts.cp_ring``). Per chunk pair of c query and c key positions, one
 attention block's forward and backward are 14 c² · batch · width floating-point operations in
 matrix products: 2 for the scores and 2 for weighting the values in forward; in backward 2 to
 recompute the scores, 2 each for dV, dP, dQ and dK (the diagonal pair computes its c² scores

@@ -1,7 +1,7 @@
 """A pipeline's bubble before it runs: the closed forms, and a simulator that lays out any schedule's actions.
 
 ``ideal_bubble`` is the published formula where one exists; ``simulate`` lays out a schedule's own action order
-(``dtlab.tiers.pipeline_stages``) on equal stage times with free transfers, and ``simulated_bubble`` reads its
+(``dtlab.tiers.parts.pipeline_stages``) on equal stage times with free transfers, and ``simulated_bubble`` reads its
 idle share. ``dtlab.read.pipeline`` measures the same share on a run.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from dtlab.tiers.pipeline_stages import LOOPED, V_SHAPED, placement, rank_actions
+from dtlab.tiers.parts.pipeline_stages import LOOPED, V_SHAPED, placement, rank_actions
 
 __all__ = ["KINDS", "UNIT_TIMES", "ideal_bubble", "idle_share", "simulate", "simulated_bubble"]
 

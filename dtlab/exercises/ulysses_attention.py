@@ -9,7 +9,7 @@ attention runs, no merging of partial softmaxes; a second all-to-all, the invers
 brings each block's output back to its rank. DeepSpeed-Ulysses (Jacobs et al. 2023).
 
 The ``cp`` tier's ``method="ulysses"`` runs the same exchange inside the model, with its
-backward (``dtlab.tiers.cp_ulysses``); this exercise is the forward.
+backward (``dtlab.tiers.parts.cp_ulysses``); this exercise is the forward.
 """
 
 from __future__ import annotations

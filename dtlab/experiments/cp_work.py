@@ -22,8 +22,8 @@ from dtlab.core.data import SEQ_LEN
 from dtlab.cost.cp import attention_flops_formula
 from dtlab.read.cp import bytes_table
 from dtlab.tiers import cp
-from dtlab.tiers.cp_layout import positions
-from dtlab.tiers.cp_ring import SoloRing
+from dtlab.tiers.parts.cp_layout import positions
+from dtlab.tiers.parts.cp_ring import SoloRing
 from dtlab.train import run
 
 __all__ = ["attention_flops", "main", "work_table"]

@@ -10,7 +10,7 @@ import pandas as pd
 
 from dtlab.core.results import RunResult
 from dtlab.cost.cp import attention_bytes
-from dtlab.tiers.cp_layout import BACKWARD_TAG, FORWARD_TAG
+from dtlab.tiers.parts.cp_layout import BACKWARD_TAG, FORWARD_TAG
 
 __all__ = ["bytes_table", "recorded_bytes"]
 

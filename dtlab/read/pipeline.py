@@ -9,8 +9,8 @@ import pandas as pd
 
 from dtlab.cost.pipeline import ideal_bubble, simulated_bubble
 from dtlab.plots.pipeline import pipeline_schedule
+from dtlab.tiers.parts.pipeline_stages import placement, rank_transfers
 from dtlab.tiers.pipeline import GATHER_TAG, SETUP_TAG, stages_per_rank
-from dtlab.tiers.pipeline_stages import placement, rank_transfers
 
 _COMPUTE = r"^pp_(forward|backward|backward_input|backward_weight):(\d+)(?:@(\d+))?$"
 P2P_OPS = ("isend", "irecv", "send", "recv")

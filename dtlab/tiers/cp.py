@@ -45,10 +45,10 @@ from dtlab.core.data import SEQ_LEN
 from dtlab.core.memory import SavedActivations
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import timed_phase
-from dtlab.tiers import base, cp_layout
-from dtlab.tiers.cp_layout import BACKWARD_TAG, BALANCES, FORWARD_TAG
-from dtlab.tiers.cp_ring import Ring, RingAttention, ring_attention, ring_hops_per_block
-from dtlab.tiers.cp_ulysses import ALL_TO_ALLS_PER_BLOCK, HeadSwap, ulysses_attention
+from dtlab.tiers.parts import base, cp_layout
+from dtlab.tiers.parts.cp_layout import BACKWARD_TAG, BALANCES, FORWARD_TAG
+from dtlab.tiers.parts.cp_ring import Ring, RingAttention, ring_attention, ring_hops_per_block
+from dtlab.tiers.parts.cp_ulysses import ALL_TO_ALLS_PER_BLOCK, HeadSwap, ulysses_attention
 
 __all__ = ["Attention", "BACKWARD_TAG", "BALANCES", "FORWARD_TAG", "METHODS", "Options", "Ring", "RingAttention",
            "SPEC", "Strategy", "attention", "chunk_forward", "ring_attention", "ring_hops_per_block", "validate"]

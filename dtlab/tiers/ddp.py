@@ -8,7 +8,7 @@ records registers a hook that also records each bucket; one that does not
 keeps DDP's built-in C++ all-reduce, so its step times are DDP's own.
 
 ``comm_dtype`` (bf16, int8, fp8) sends each bucket as codes instead
-(``dtlab.tiers.quantised_comms``): a hook gathers every rank's codes and each
+(``dtlab.tiers.parts.quantised_comms``): a hook gathers every rank's codes and each
 rank sums their decoded values in float32, since gloo adds no such dtype.
 """
 
@@ -31,9 +31,9 @@ from dtlab.core.memory import tensor_bytes
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import tag_ddp_hook
-from dtlab.tiers import base, checkpoint
-from dtlab.tiers.quantised_comms import hook_for
-from dtlab.tiers.syncbn import convert_sync_batchnorm
+from dtlab.tiers.parts import base, checkpoint
+from dtlab.tiers.parts.quantised_comms import hook_for
+from dtlab.tiers.parts.syncbn import convert_sync_batchnorm
 
 __all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "bucket_layout", "preflight", "validate"]
 
@@ -55,7 +55,7 @@ class BucketOptions:
 
 @dataclass(frozen=True)
 class Options(BucketOptions):
-    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.tiers.checkpoint)
+    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.tiers.parts.checkpoint)
     checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
     resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
     # Quantised gradients (dtlab.core.quantise): fp32 is DDP's own all-reduce; bf16, int8 and fp8 are gathered as

@@ -16,8 +16,8 @@ from torch import nn
 
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import base
-from dtlab.tiers.base import NoOptions as Options
+from dtlab.tiers.parts import base
+from dtlab.tiers.parts.base import NoOptions as Options
 
 __all__ = ["Options", "SPEC", "Strategy", "validate"]
 

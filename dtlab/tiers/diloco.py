@@ -10,7 +10,7 @@ parameters. The link carries one model's worth of bytes every H steps instead
 of every step. ``fragments`` > 1 is streaming DiLoCo: the model is split into
 that many pieces and one piece synchronises every H / fragments steps, so the
 traffic is spread out (each piece still every H steps).
-``outer_comm_dtype`` sends the pseudo-gradients as bf16, int8 or fp8 codes (``dtlab.tiers.diloco_comm``;
+``outer_comm_dtype`` sends the pseudo-gradients as bf16, int8 or fp8 codes (``dtlab.tiers.parts.diloco_comm``;
 int8 and fp8 with one float32 scale per 128 values) instead of fp32. ``evaluate_syncs`` evaluates the model each
 group holds right after each synchronisation on the held-out split (the synchronised model, for fragments = 1),
 outside the timed step, and records it with the synchronisation.
@@ -43,8 +43,8 @@ from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.core.replica import identity
-from dtlab.tiers import base, replicas
-from dtlab.tiers.diloco_comm import QuantisedManager
+from dtlab.tiers.parts import base, replicas
+from dtlab.tiers.parts.diloco_comm import QuantisedManager
 
 __all__ = ["Options", "SPEC", "Strategy", "fragment_modules", "validate"]
 
@@ -142,7 +142,7 @@ class Strategy(base.Strategy):
         return DistributedDataParallel(model)  # inner steps: data parallel within the group
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.replicas)
+        from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
 
         o, plain = self.options, self.unwrap(model)
         self.inner = build(optimizer_params(plain, build))

@@ -29,8 +29,8 @@ from dtlab.core.compat import replicate_for_data_parallel
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import active
-from dtlab.tiers import base
-from dtlab.tiers.base import NoOptions as Options
+from dtlab.tiers.parts import base
+from dtlab.tiers.parts.base import NoOptions as Options
 
 __all__ = ["EmulatedDataParallel", "Options", "SPEC", "Strategy", "validate"]
 

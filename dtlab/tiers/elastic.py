@@ -53,7 +53,8 @@ from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.progress import report
 from dtlab.core.registry import AgentPlan, TierSpec
 from dtlab.core.results import atomic_write
-from dtlab.tiers import checkpoint, ddp
+from dtlab.tiers import ddp
+from dtlab.tiers.parts import checkpoint
 
 __all__ = ["FAULT_KINDS", "SPEC", "Fault", "Options", "SnapshotError", "Strategy", "agents", "load_snapshot",
            "parse_faults", "parse_nnodes", "preflight", "validate"]

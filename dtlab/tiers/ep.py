@@ -45,8 +45,8 @@ from dtlab.core.models import evaluate
 from dtlab.core.moe import MoE
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers import base
-from dtlab.tiers.sharded import meta_copy, plain_copy
+from dtlab.tiers.parts import base
+from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
 __all__ = ["Exchange", "HOT_BIAS", "Options", "SPEC", "Strategy", "expert_names", "overload", "shard_experts",
            "validate"]

@@ -43,9 +43,9 @@ from dtlab.core.memory import tensor_bytes
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import base, checkpoint, fsdp_muon
-from dtlab.tiers.fsdp_comms import record_comms
-from dtlab.tiers.sharded import meta_copy, plain_copy
+from dtlab.tiers.parts import base, checkpoint, fsdp_muon
+from dtlab.tiers.parts.fsdp_comms import record_comms
+from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
 __all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "preflight", "shard_units", "validate"]
 
@@ -250,7 +250,7 @@ class Strategy(base.Strategy):
         return {"comm_buffers": self.gathered_peak} if self.gathered_peak else {}
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.fsdp_muon)
+        if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.parts.fsdp_muon)
             optimizer: torch.optim.Optimizer = fsdp_muon.LayerwiseMuon(muon.param_groups(model), **build.keywords)
         else:
             optimizer = build(model.parameters())  # over the DTensor shards: each rank steps its slice

@@ -22,7 +22,7 @@ from torch import nn
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import TierSpec
 from dtlab.tiers import fsdp, tp
-from dtlab.tiers.sharded import meta_copy
+from dtlab.tiers.parts.sharded import meta_copy
 
 __all__ = ["Options", "SPEC", "Strategy", "validate"]
 

@@ -44,14 +44,14 @@ from dtlab.core.registry import ReplicaPlan, TierSpec
 from dtlab.core.replica import identity
 from dtlab.core.replica import timeouts as replica_timeouts
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers import base, replicas
+from dtlab.tiers.parts import base, replicas
 
 __all__ = ["Options", "SPEC", "Strategy", "plan", "validate"]
 
 
 @dataclass(frozen=True)
 class Options(replicas.ReplicaOptions):
-    """Replica groups (see ``dtlab.tiers.replicas.ReplicaOptions``) that average gradients every step.
+    """Replica groups (see ``dtlab.tiers.parts.replicas.ReplicaOptions``) that average gradients every step.
 
     ``timeouts``: how fast a dead group is noticed -- ``"tuned"`` (dtlab's: 300 ms without heartbeats,
     beats every 50 ms) or ``"torchft"`` (torchft 0.2.0's defaults: 5000 ms, every 100 ms); both in full in
@@ -186,7 +186,7 @@ def _ddp_class() -> type:
     should go on. The same hook that returns the bucket once the wait is over, successful or not,
     keeps it alive; after a failure the Manager has recorded the error and does not commit the step.
     """
-    import torchft.ddp  # lazy: torchft is an optional extra (dtlab.tiers.replicas)
+    import torchft.ddp  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
 
     class DistributedDataParallel(torchft.ddp.DistributedDataParallel):
         @staticmethod

@@ -38,8 +38,8 @@ from dtlab.core.registry import TierSpec
 from dtlab.instrument.channels import modules_untracked
 from dtlab.instrument.recorder import tagged
 from dtlab.tiers import fsdp, pipeline, tp
-from dtlab.tiers.pipeline_stages import TimedStage
-from dtlab.tiers.sharded import meta_copy, plain_copy
+from dtlab.tiers.parts.pipeline_stages import TimedStage
+from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
 __all__ = ["MESH_DIMS", "Options", "SCHEDULES", "SPEC", "Strategy", "coordinates", "stage_plan", "validate"]
 

@@ -37,9 +37,9 @@ from dtlab.core.data import Dataset
 from dtlab.core.memory import LiveActivations
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers import base
-from dtlab.tiers.pipeline_stages import LOOPED, MULTI_STAGE, V_SHAPED, placement, split_model
-from dtlab.tiers.pipeline_stages import TimedStage as _TimedStage  # its old name here (the nd tier uses it)
+from dtlab.tiers.parts import base
+from dtlab.tiers.parts.pipeline_stages import LOOPED, MULTI_STAGE, V_SHAPED, placement, split_model
+from dtlab.tiers.parts.pipeline_stages import TimedStage as _TimedStage  # its old name here (the nd tier uses it)
 
 __all__ = ["GATHER_TAG", "Options", "SCHEDULES", "SETUP_TAG", "SPEC", "Strategy", "split_model", "stages_per_rank",
            "validate"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import TierSpec
-from dtlab.tiers.base import NoOptions as Options
-from dtlab.tiers.base import Strategy
+from dtlab.tiers.parts.base import NoOptions as Options
+from dtlab.tiers.parts.base import Strategy
 
 __all__ = ["Options", "SPEC", "Strategy", "validate"]
 

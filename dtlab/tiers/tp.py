@@ -22,7 +22,7 @@ owns its slices, and replicated parameters get the same gradient everywhere.
 
 ``decomposed_mlp=True`` splits each MLP pair's GEMM into row chunks and passes
 their partial sums round the ring with ``batch_isend_irecv`` while the next
-chunk computes (async tensor parallelism's idea, ``dtlab.tiers.tp_ring``): the
+chunk computes (async tensor parallelism's idea, ``dtlab.tiers.parts.tp_ring``): the
 same arithmetic and bytes, its communication under compute.
 """
 
@@ -39,9 +39,9 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN, Dataset
 from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
-from dtlab.tiers import base
-from dtlab.tiers.sharded import meta_copy, plain_copy
-from dtlab.tiers.tp_ring import Ring, decompose, gather_slices
+from dtlab.tiers.parts import base
+from dtlab.tiers.parts.sharded import meta_copy, plain_copy
+from dtlab.tiers.parts.tp_ring import Ring, decompose, gather_slices
 
 __all__ = ["MODELS", "Options", "SPEC", "Strategy", "loss_context", "mlp_pairs", "parallelize", "plan", "shard_table",
            "validate"]
@@ -53,7 +53,7 @@ MODELS = ("mlp", "charformer")
 class Options:
     sequence_parallel: bool = False  # norms and residuals split along the sequence: all-gather/reduce-scatter
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (charformer)
-    decomposed_mlp: bool = False  # MLP pairs as ring-decomposed GEMMs (tp tier only; dtlab.tiers.tp_ring)
+    decomposed_mlp: bool = False  # MLP pairs as ring-decomposed GEMMs (tp tier only; dtlab.tiers.parts.tp_ring)
     # False: the decomposed ring waits for each transfer before the next chunk computes. The same bytes and
     # arithmetic with nothing under the transfers: the control that shows what the overlap is, and that its
     # measurement (dtlab.read.overlap) reads about 0 where nothing can overlap

@@ -27,7 +27,7 @@ from dtlab.core.progress import report
 from dtlab.core.results import RankResult, params_to_bytes, provenance
 from dtlab.core.timing import StepClock
 from dtlab.instrument.recorder import CommRecorder, active
-from dtlab.tiers.base import Strategy
+from dtlab.tiers.parts.base import Strategy
 
 _REPORT_EVERY_S = 0.25
 

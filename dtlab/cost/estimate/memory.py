@@ -25,7 +25,7 @@ from dtlab.cost.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes, optimi
 from dtlab.cost.estimate.sharded import gathered_peak, local_rows, shard_rows
 from dtlab.cost.estimate.tensor_parallel import RULES as TENSOR_PARALLEL_RULES
 from dtlab.tiers import pipeline
-from dtlab.tiers.pipeline_stages import MULTI_STAGE
+from dtlab.tiers.parts.pipeline_stages import MULTI_STAGE
 
 DDP_FAMILY = ("ddp", "multinode", "elastic")
 
@@ -38,7 +38,7 @@ def hidden_ids(cfg: RunConfig, model: nn.Module) -> set[int]:
 def fsdp_optimizer_bytes(cfg: RunConfig, params: list[torch.Tensor], n: int, rank: int,
                          hidden: Container[int] = frozenset()) -> int:
     """A rank's optimizer state under fsdp: Adam's moments of its rows; Muon's momentum of the whole hidden
-    matrices (``hidden``: their ids) it owns (``assign_owners``, as ``dtlab.tiers.fsdp_muon`` deals them) and
+    matrices (``hidden``: their ids) it owns (``assign_owners``, as ``dtlab.tiers.parts.fsdp_muon`` deals them) and
     AdamW's of its rows of the rest."""
     if cfg.optimizer == "adam":
         return sum(2 * local_rows(t, n, rank) + ADAM_STEP_BYTES for t in params)

@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from dtlab.core import models
 from dtlab.core.config import RunConfig
 from dtlab.cost.estimate import activations as acts
+from dtlab.tiers.parts.pipeline_stages import placement, rank_actions, split_model
 from dtlab.tiers.pipeline import stages_per_rank
-from dtlab.tiers.pipeline_stages import placement, rank_actions, split_model
 
 
 class _Held:

@@ -56,7 +56,7 @@ from dtlab.cost.links.busy import busy_at
 from dtlab.cost.links.linkset import LinkSet
 from dtlab.cost.roofline.cpu import Roofline
 from dtlab.cost.roofline.predict import predicted_phases
-from dtlab.tiers.pipeline_stages import MULTI_STAGE
+from dtlab.tiers.parts.pipeline_stages import MULTI_STAGE
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket is capped at 1 MiB (torch.distributed's default)
 PROBED_TIERS = ("fsdp", "tp", "fsdp-tp", "cp")

@@ -31,8 +31,8 @@ from dtlab.cost.estimate import activations as acts
 from dtlab.cost.estimate.rank import ADAM_STEP_BYTES, RankMemory, nbytes, optimizer_bytes
 from dtlab.cost.estimate.sharded import gathered_peak, local_rows, shard_rows
 from dtlab.tiers import cp as cp_tier
-from dtlab.tiers import cp_layout, cp_ring, cp_ulysses
 from dtlab.tiers import tp as tp_tier
+from dtlab.tiers.parts import cp_layout, cp_ring, cp_ulysses
 
 __all__ = ["RULES", "context_parallel", "fsdp_tensor_parallel", "localize", "shard_dims", "tensor_parallel"]
 

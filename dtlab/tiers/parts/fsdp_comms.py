@@ -6,7 +6,7 @@ FSDP2's own defaults inside a tag say which unit and pass each one serves. HSDP'
 replicate groups has no custom-comm slot: its hook tags the event just recorded.
 
 The same custom comms send quantised codes where the fsdp tier asks (``gather_comm_dtype`` for the
-parameters' all-gather, ``reduce_comm_dtype`` for the gradients' reduce-scatter; ``dtlab.tiers.quantised_comms``):
+parameters' all-gather, ``reduce_comm_dtype`` for the gradients' reduce-scatter; ``dtlab.tiers.parts.quantised_comms``):
 "fp32" keeps FSDP2's own collective, unchanged.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from dtlab.core.compat import fsdp_default_comms
 from dtlab.instrument.recorder import active, tagged
-from dtlab.tiers.quantised_comms import quantised_all_gather, quantised_reduce_scatter
+from dtlab.tiers.parts.quantised_comms import quantised_all_gather, quantised_reduce_scatter
 
 __all__ = ["record_comms"]
 

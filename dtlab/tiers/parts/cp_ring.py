@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers.cp_layout import BACKWARD_TAG, FORWARD_TAG
+from dtlab.tiers.parts.cp_layout import BACKWARD_TAG, FORWARD_TAG
 
 __all__ = ["Ring", "RingAttention", "SoloRing", "attended_pairs", "ring_attention", "ring_hops_per_block"]
 

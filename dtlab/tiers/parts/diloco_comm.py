@@ -5,7 +5,7 @@ torchft's DiLoCo averages each fragment's pseudo-gradient with ``Manager.allredu
 gloo cannot add int8 or fp8 codes (and two codes with their own scales do not add), so a quantised average is
 an ``allgather`` of every group's encoded buffer, then a local sum of the decoded values in float32, in group
 order: every group computes the same average from the same bytes, its own included (as
-``dtlab.tiers.quantised_comms`` does for DDP). ``QuantisedManager`` stands in for the Manager inside DiLoCo and
+``dtlab.tiers.parts.quantised_comms`` does for DDP). ``QuantisedManager`` stands in for the Manager inside DiLoCo and
 changes only ``allreduce``; everything else (quorum, commit, healing) is the Manager's own.
 """
 
@@ -47,7 +47,7 @@ class QuantisedManager:
         return getattr(self._manager, name)
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None) -> Any:
-        from torchft.work import _DummyWork  # lazy: torchft is an optional extra (dtlab.tiers.replicas)
+        from torchft.work import _DummyWork  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
 
         manager = self._manager
         if manager.errored():

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers.cp_layout import BACKWARD_TAG, FORWARD_TAG
+from dtlab.tiers.parts.cp_layout import BACKWARD_TAG, FORWARD_TAG
 
 __all__ = ["ALL_TO_ALLS_PER_BLOCK", "HeadSwap", "SoloSwap", "heads_to_sequence", "sequence_to_heads",
            "ulysses_attention"]
