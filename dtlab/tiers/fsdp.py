@@ -40,6 +40,7 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.memory import tensor_bytes
+from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
@@ -161,14 +162,11 @@ class Strategy(base.Strategy):
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._template = meta_copy(model)  # a plain twin that rank 0 evaluates with the full parameters
-        r, world, device = self.options.replicate, self.info.world_size, self.info.device.type
+        r, world = self.options.replicate, self.info.world_size
         # HSDP: over a 2-D mesh fully_shard shards along the second dimension, replicates along the first
-        mesh = init_device_mesh(device, (world,)) if r == 1 else \
-            init_device_mesh(device, (r, world // r), mesh_dim_names=("replicate", "shard"))
-        return self.shard(model, mesh)
+        layout = Layout.of(shard=world) if r == 1 else Layout.of(replicate=r, shard=world // r)
+        return self.shard(model, layout.build(self.info.device.type))
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
         """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters;

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from dtlab.core.config import RunConfig
+from dtlab.core.mesh import Layout
 from dtlab.core.registry import TierSpec
 from dtlab.tiers import fsdp, tp
 from dtlab.tiers.parts.sharded import meta_copy
@@ -69,14 +70,12 @@ class Strategy(fsdp.Strategy):
         self.tp_size = o.tp_size
         self.shards: dict[str, dict[str, Any]] = {}
         self.dp_size = info.world_size // o.tp_size
-        # ranks fill the mesh row by row: rank = dp_index * tp_size + tp_index
-        self.data_rank, self.data_world = info.rank // o.tp_size, self.dp_size
+        self.layout = Layout.of(dp=self.dp_size, tp=o.tp_size)  # rows of tp ranks: rank = row * tp_size + column
+        self.data_rank, self.data_world = self.layout.coordinates(info.rank)["dp"], self.dp_size
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._template = meta_copy(model)
-        mesh = init_device_mesh(self.info.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
+        mesh = self.layout.build(self.info.device.type)
         tp.parallelize(model, mesh["tp"], self.tp_options)
         model = self.shard(model, mesh["dp"])
         self.shards = tp.shard_table(model)  # placements on both mesh dimensions: (dp, tp)

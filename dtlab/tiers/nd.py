@@ -34,6 +34,7 @@ from dtlab.core.compat import wrap_pipeline_stage_init
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN, Dataset
 from dtlab.core.memory import LiveActivations
+from dtlab.core.mesh import Layout
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.channels import modules_untracked
 from dtlab.instrument.recorder import tagged
@@ -41,7 +42,7 @@ from dtlab.tiers import fsdp, pipeline, tp
 from dtlab.tiers.parts.pipeline_stages import TimedStage
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
-__all__ = ["MESH_DIMS", "Options", "SCHEDULES", "SPEC", "Strategy", "coordinates", "stage_plan", "validate"]
+__all__ = ["MESH_DIMS", "Options", "SCHEDULES", "SPEC", "Strategy", "coordinates", "layout", "stage_plan", "validate"]
 
 MESH_DIMS = ("pp", "dp", "tp")
 SCHEDULES = ("gpipe", "1f1b")  # one stage per rank (the pipeline tier's looped schedules need several)
@@ -60,13 +61,9 @@ class Options:
 def validate(cfg: RunConfig) -> None:
     o = cfg.tier_options
     name = f"{cfg.tier} tier_options"
-    for field in MESH_DIMS + ("microbatches",):
-        value = getattr(o, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}.{field}={value!r} is invalid: must be an integer >= 1")
-    if o.pp * o.dp * o.tp != cfg.world_size:
-        raise ValueError(f"{name}: pp={o.pp} x dp={o.dp} x tp={o.tp} = {o.pp * o.dp * o.tp} ranks, but "
-                         f"world_size={cfg.world_size}: choose pp, dp and tp whose product is the world size")
+    if not isinstance(o.microbatches, int) or isinstance(o.microbatches, bool) or o.microbatches < 1:
+        raise ValueError(f"{name}.microbatches={o.microbatches!r} is invalid: must be an integer >= 1")
+    layout(o).check(cfg.world_size, name)
     if o.schedule not in SCHEDULES:
         raise ValueError(f"{name}.schedule={o.schedule!r} is invalid: choose one of {', '.join(SCHEDULES)}")
     if cfg.global_batch_size % (o.dp * o.microbatches):
@@ -96,9 +93,15 @@ def tp_options(o: Options) -> tp.Options:
     return tp.Options(sequence_parallel=o.sequence_parallel)
 
 
+def layout(o: Options) -> Layout:
+    """The pp x dp x tp mesh, stages outermost."""
+    return Layout.of(pp=o.pp, dp=o.dp, tp=o.tp)
+
+
 def coordinates(rank: int, o: Options) -> tuple[int, int, int]:
-    """(stage, row, column) of ``rank`` on the pp x dp x tp mesh."""
-    return rank // (o.dp * o.tp), rank // o.tp % o.dp, rank % o.tp
+    """(stage, row, column) of ``rank`` on the pp x dp x tp mesh, read off its grid."""
+    place = layout(o).coordinates(rank)
+    return place["pp"], place["dp"], place["tp"]
 
 
 def stage_plan(styles: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
@@ -141,12 +144,11 @@ class Strategy(pipeline.Strategy):
         self.shards: dict[str, dict[str, Any]] = {}
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
         o = self.options
         self._template = meta_copy(model)
-        mesh = init_device_mesh(self.info.device.type, (o.pp, o.dp, o.tp), mesh_dim_names=MESH_DIMS)
+        mesh = layout(o).build(self.info.device.type)
         styles = tp.plan(model, tp_options(o))  # named on the whole model, before the split
         stages = pipeline.split_model(model, o.pp, self.cfg.model_depth)
         self.layout = [[(k, v.shape, v.dtype) for k, v in s.state_dict().items()] for s in stages]

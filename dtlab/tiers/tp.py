@@ -37,6 +37,7 @@ from torch import nn
 
 from dtlab.core.config import RunConfig
 from dtlab.core.data import SEQ_LEN, Dataset
+from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.registry import TierSpec
 from dtlab.tiers.parts import base
@@ -207,10 +208,8 @@ class Strategy(base.Strategy):
         self._group: Any = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self._template = meta_copy(model)
-        mesh = init_device_mesh(self.info.device.type, (self.info.world_size,), mesh_dim_names=("tp",))
+        mesh = Layout.of(tp=self.info.world_size).build(self.info.device.type)
         model = parallelize(model, mesh, self.options)
         if self.options.decomposed_mlp:
             self._group = mesh.get_group()
