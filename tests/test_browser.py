@@ -122,6 +122,44 @@ def start_kernel_session(url: str, token: str, notebook: str) -> None:
         assert json.load(response)["kernel"]["name"] == "python3"
 
 
+def kernel_of(url: str, token: str, notebook: str) -> str | None:
+    """The id of the kernel the server's session for ``notebook`` runs now (None while it has none)."""
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=30) as response:
+        sessions = [s for s in json.load(response) if s["path"].lstrip("/") == notebook]
+    return sessions[0]["kernel"]["id"] if sessions and sessions[0].get("kernel") else None
+
+
+def settled_kernel(url: str, token: str, notebook: str, quiet_s: float = 3.0, timeout_s: float = 60.0) -> str:
+    """The notebook's kernel once its id has stayed the same for ``quiet_s``: the page can replace the kernel the
+    test started right after it loads, and cells queued on the replaced one never run."""
+    deadline = time.time() + timeout_s
+    kernel, since = kernel_of(url, token, notebook), time.time()
+    while time.time() < deadline:
+        time.sleep(0.5)
+        now = kernel_of(url, token, notebook)
+        if now != kernel:
+            kernel, since = now, time.time()
+        elif kernel and time.time() - since >= quiet_s:
+            return kernel
+    raise AssertionError(f"the notebook's kernel did not settle within {timeout_s:g} s (last: {kernel})")
+
+
+def panel_appears(page, url: str, token: str, notebook: str, kernel: str, timeout_s: float = 120.0) -> bool:
+    """True once the panel is on the page; False as soon as the notebook's kernel is no longer ``kernel``."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            page.wait_for_selector(".dtlab-run", state="attached", timeout=5_000)
+            return True
+        except PlaywrightTimeout:
+            if kernel_of(url, token, notebook) != kernel:
+                print("the notebook's kernel was replaced while its cells were queued: running them again")
+                return False
+    return False
+
+
 def dismiss_dialogs(page) -> list[str]:
     """Close JupyterLab's start-up dialogs (e.g. a kernel choice), pressing their default button; returns their text."""
     seen = []
@@ -179,17 +217,17 @@ def test_compare_notebook_runs_and_the_panel_runs_a_job(jupyter_lab, tmp_path):
             page.goto(f"{url}/lab/tree/11_compare.ipynb?token={token}", timeout=60_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            # The panel appears once every cell above it has run; it is below the fold. A kernel chosen in a
-            # start-up dialog can replace the one the queued cells were sent to: then run them all again.
+            # The panel appears once every cell above it has run; it is below the fold. The page (or a kernel
+            # chosen in a start-up dialog) can replace the kernel the queued cells were sent to: then run them
+            # all again, at once rather than after the panel's whole timeout.
             for attempt in range(3):
+                kernel = settled_kernel(url, token, "11_compare.ipynb")
                 run_all(page)
-                try:
-                    page.wait_for_selector(".dtlab-run", state="attached", timeout=120_000)
+                if panel_appears(page, url, token, "11_compare.ipynb", kernel):
                     break
-                except Exception:
-                    page.screenshot(path=str(tmp_path / f"no-panel-{attempt}.png"), full_page=True)
-                    if attempt == 2:
-                        raise
+                page.screenshot(path=str(tmp_path / f"no-panel-{attempt}.png"), full_page=True)
+            else:
+                raise AssertionError(f"the panel never appeared (screenshots in {tmp_path})")
             # Run All went past the prediction: its answer waits for a guess or the learner's say-so.
             show = page.locator("button", has_text="Show without guessing")
             assert show.count() == 1 and page.get_by_text("your guess:").count() == 0

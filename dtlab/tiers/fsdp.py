@@ -26,6 +26,7 @@ small as a node, and only each rank's gradient shard crosses between groups.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ from dtlab.tiers.parts import base, checkpoint, fsdp_muon
 from dtlab.tiers.parts.fsdp_comms import record_comms
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
-__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "preflight", "shard_units", "validate"]
+__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "preflight", "shard_units", "validate"]
 
 MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -140,6 +141,45 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
+def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
+               gathering: Callable[[str], None] = lambda unit: None) -> dict[nn.Module, str]:
+    """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters; 2-D:
+    replicate x shard, HSDP), their collectives labelled ``fsdp:<pass>:<unit>`` for the recorder (and quantised
+    where ``options`` ask). Returns each sharded module's unit name; ``gathering(unit)`` is called before each
+    all-gather."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    dtype = MIXED_PRECISION[options.mixed_precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                              output_dtype=torch.float32 if dtype else None)
+    # Pinned memory needs CUDA; on CPU the shards are host memory already.
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if options.cpu_offload else OffloadPolicy()
+    # The same reshard_after_forward for the root too (FSDP2's default keeps the root
+    # gathered), so that every unit gathers exactly twice per step when it is True.
+    kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp,
+                  offload_policy=offload)
+    # FSDP2 warns when the root returns a view (a Linear head on 3-D input does): an in-place op on
+    # it would skip the pre-backward hook. dtlab's loop only computes the loss from it, out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    units = shard_units(model)
+    owned = {id(p) for _, unit in units for p in unit.parameters()}
+    named = {unit: name for name, unit in units}
+    if any(id(p) not in owned for p in model.parameters()):
+        named[model] = "root"  # the root's own unit: whatever no block owns
+    for _, unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)  # always: the root schedules the others
+    passes = {"now": "forward"}  # which pass a unit's all-gather serves (its label)
+    record_comms(named, passes, gathering, hsdp=mesh.ndim == 2,
+                 gather_dtype=getattr(options, "gather_comm_dtype", "fp32"),
+                 reduce_dtype=getattr(options, "reduce_comm_dtype", "fp32"), block=getattr(options, "comm_block", 128))
+    # prepend: before FSDP's own root pre-forward hook, which gathers the root unit; whatever is gathered
+    # after the forward, until the next, serves the backward
+    model.register_forward_pre_hook(lambda *_: passes.update(now="forward"), prepend=True)
+    model.register_forward_hook(lambda *_: passes.update(now="backward"))
+    return named
+
+
 class Strategy(base.Strategy):
     # Count the all-gathered bytes (memory()): a unit is gathered while its parameters are plain tensors
     counts_gathered = True
@@ -152,7 +192,6 @@ class Strategy(base.Strategy):
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
-        self._pass = {"now": "forward"}  # which pass a unit's all-gather belongs to (for its tag)
         self.gathered_after_forward = 0  # bytes of full parameters kept from forward to backward
         self.gathered_peak = 0  # the most bytes of full parameters held at once (see gathering())
         self._unit_params: dict[str, list[str]] = {}  # unit -> the names of the parameters it gathers
@@ -169,52 +208,20 @@ class Strategy(base.Strategy):
         return self.shard(model, layout.build(self.info.device.type))
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters;
-        2-D: replicate x shard, HSDP)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        dtype = MIXED_PRECISION[self.options.mixed_precision]
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                  output_dtype=torch.float32 if dtype else None)
-        # Pinned memory needs CUDA; on CPU the shards are host memory already.
-        offload = CPUOffloadPolicy(pin_memory=self.info.device.type == "cuda") if self.options.cpu_offload \
-            else OffloadPolicy()
-        # The same reshard_after_forward for the root too (FSDP2's default keeps the root
-        # gathered), so that every unit gathers exactly twice per step when it is True.
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.options.reshard_after_forward, mp_policy=mp,
-                      offload_policy=offload)
-        # FSDP2 warns when the root returns a view (a Linear head on 3-D input does): an in-place op on
-        # it would skip the pre-backward hook. dtlab's loop only computes the loss from it, out of place.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        units = shard_units(model)
-        owned = {id(p) for _, unit in units for p in unit.parameters()}
-        named = {unit: name for name, unit in units}
-        if any(id(p) not in owned for p in model.parameters()):
-            named[model] = "root"  # the root's own unit: whatever no block owns
-        for _, unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)  # always: the root schedules the others
+        """``apply_fsdp`` over ``mesh``, then this tier's counts: the bytes each unit gathers (the first step's
+        peak, ``gathering``) and the full parameters still held after forward."""
+        named = apply_fsdp(model, mesh, self.options, self.info.device.type, self.gathering)
         self.units = list(named.values())
         if self.counts_gathered:
-            self._count_units(model, named, dtype)
-        o = self.options
-        record_comms(named, self._pass, self.gathering, hsdp=mesh.ndim == 2,
-                     gather_dtype=getattr(o, "gather_comm_dtype", "fp32"),
-                     reduce_dtype=getattr(o, "reduce_comm_dtype", "fp32"), block=getattr(o, "comm_block", 128))
+            self._count_units(model, named, MIXED_PRECISION[self.options.mixed_precision])
 
-        def forward_starts(*_: Any) -> None:
-            self._pass["now"] = "forward"
-
-        def backward_follows(*_: Any) -> None:
-            self._pass["now"] = "backward"  # whatever is gathered from now until the next forward
+        def held_after_forward(*_: Any) -> None:
             # Runs after FSDP's own post-forward (registered later): the parameters still
             # unsharded now stay in memory until backward.
             held = tensor_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
             self.gathered_after_forward = max(self.gathered_after_forward, held)
 
-        # prepend: before FSDP's own root pre-forward hook, which gathers the root unit
-        model.register_forward_pre_hook(forward_starts, prepend=True)
-        model.register_forward_hook(backward_follows)
+        model.register_forward_hook(held_after_forward)
         return model
 
     def _count_units(self, model: nn.Module, named: dict[nn.Module, str], dtype: torch.dtype | None) -> None:

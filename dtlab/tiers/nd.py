@@ -119,7 +119,7 @@ def stage_plan(styles: dict[str, Any], stage: nn.Module) -> dict[str, Any]:
 def _first_step_setup(init: Callable[..., Any]) -> Callable[..., Any]:
     """The schedule's shape exchange, tagged as the pipeline tier tags it, with the recorder's module tracker
     paused: its grad hooks break the ``autograd.grad`` that infers a stage's gradient shapes."""
-    tagged_init = pipeline._tagging(pipeline.SETUP_TAG)(init)
+    tagged_init = pipeline.tagging(pipeline.SETUP_TAG)(init)
 
     def setup(*args: Any, **kwargs: Any) -> Any:
         with modules_untracked():
@@ -137,9 +137,7 @@ class Strategy(pipeline.Strategy):
         self.stage_index, self.num_stages, self.local = self.coords[0], o.pp, [self.coords[0]]
         self.first, self.last = self.stage_index == 0, self.stage_index == o.pp - 1
         self.data_rank, self.data_world = self.coords[1], o.dp  # a row's share, through every stage
-        # fsdp.Strategy shards each stage down its column; its checkpoint knobs stay off
-        self.sharding = fsdp.Strategy(cfg.replace(tier="fsdp", tier_options=fsdp.Options()), info)
-        self.sharding.counts_gathered = False  # every parameter is a DTensor, gathered or not
+        self.units: list[str] = []  # FSDP2's units of this rank's stage
         self._template: nn.Module | None = None
         self.shards: dict[str, dict[str, Any]] = {}
 
@@ -156,7 +154,7 @@ class Strategy(pipeline.Strategy):
         for block in self.stage.blocks:
             block.attn.heads //= o.tp  # whole heads per rank, as tp.parallelize
         parallelize_module(self.stage, mesh["tp"], stage_plan(styles, self.stage))
-        self.sharding.shard(self.stage, mesh["dp"])
+        self.units = list(fsdp.apply_fsdp(self.stage, mesh["dp"], fsdp.Options(), self.info.device.type).values())
         self.shards = tp.shard_table(self.stage)
         self.pp_stage = TimedStage(self.stage, self.stage_index, o.pp, self.info.device,
                                     group=mesh["pp"].get_group())
@@ -199,14 +197,14 @@ class Strategy(pipeline.Strategy):
             if not self.info.is_main:
                 if self.coords[0] > 0 and self.coords[1:] == (0, 0):
                     entries = self.layout[self.coords[0]]  # in the state's own dtype: float64 stays float64
-                    dtype = pipeline._common_dtype(entries)
+                    dtype = pipeline.common_dtype(entries)
                     dist.send(torch.cat([state[k].reshape(-1).to(dtype) for k, _, _ in entries]), dst=0)
                 return state
             out = dict(state)
             for s in range(1, o.pp):
                 entries = self.layout[s]
                 flat = torch.empty(sum(math.prod(shape) for _, shape, _ in entries),
-                                   dtype=pipeline._common_dtype(entries), device=self.info.device)
+                                   dtype=pipeline.common_dtype(entries), device=self.info.device)
                 dist.recv(flat, src=s * o.dp * o.tp)
                 parts = flat.split([math.prod(shape) for _, shape, _ in entries])
                 out.update({k: part.view(shape).to(dtype) for (k, shape, dtype), part in zip(entries, parts)})
@@ -215,7 +213,7 @@ class Strategy(pipeline.Strategy):
     def describe(self) -> dict[str, Any]:
         o = self.options
         return {**super().describe(), "mesh": {"pp": o.pp, "dp": o.dp, "tp": o.tp},
-                "coordinates": dict(zip(MESH_DIMS, self.coords)), "fsdp_units": self.sharding.units,
+                "coordinates": dict(zip(MESH_DIMS, self.coords)), "fsdp_units": self.units,
                 "sequence_parallel": o.sequence_parallel, "shards": self.shards}
 
 

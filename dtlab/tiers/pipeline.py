@@ -38,11 +38,10 @@ from dtlab.core.memory import LiveActivations
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.recorder import tagged
 from dtlab.tiers.parts import base
-from dtlab.tiers.parts.pipeline_stages import LOOPED, MULTI_STAGE, V_SHAPED, placement, split_model
-from dtlab.tiers.parts.pipeline_stages import TimedStage as _TimedStage  # its old name here (the nd tier uses it)
+from dtlab.tiers.parts.pipeline_stages import LOOPED, MULTI_STAGE, V_SHAPED, TimedStage, placement, split_model
 
-__all__ = ["GATHER_TAG", "Options", "SCHEDULES", "SETUP_TAG", "SPEC", "Strategy", "split_model", "stages_per_rank",
-           "validate"]
+__all__ = ["GATHER_TAG", "Options", "SCHEDULES", "SETUP_TAG", "SPEC", "Strategy", "common_dtype", "split_model",
+           "stages_per_rank", "tagging", "validate"]
 
 SCHEDULES = ("naive", "gpipe", "1f1b", *LOOPED, *V_SHAPED)
 MODELS = ("mlp", "charformer")  # built-ins whose layer structure the split knows
@@ -114,7 +113,8 @@ def _validate_microbatches(cfg: RunConfig, name: str) -> None:
                          f"micro-batches as stages ({2 * world} = 2 x world_size)")
 
 
-def _tagging(tag: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def tagging(tag: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: the wrapped call's collectives are recorded under ``tag`` (the schedule's shape exchange)."""
     def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
         def tagged_init(*args: Any, **kwargs: Any) -> Any:
             with tagged(tag):
@@ -140,7 +140,7 @@ class Strategy(base.Strategy):
         self.stage_index = self.local[0]
         self.first, self.last = 0 in self.local, self.num_stages - 1 in self.local
         self.stages: list[nn.Module] = []  # this rank's stages, in self.local's order
-        self.pp_stages: list[_TimedStage] = []
+        self.pp_stages: list[TimedStage] = []
         self.full: nn.Module | None = None  # rank 0 keeps the whole model, to gather into and evaluate
         self.layout: list[list[tuple[str, torch.Size, torch.dtype]]] = []  # per stage: its state's entries
         self.count_activations = False  # during the first step: the peak of the activations held
@@ -156,11 +156,11 @@ class Strategy(base.Strategy):
         self.stages = [module]
 
     @property
-    def pp_stage(self) -> _TimedStage:
+    def pp_stage(self) -> TimedStage:
         return self.pp_stages[0]
 
     @pp_stage.setter
-    def pp_stage(self, stage: _TimedStage) -> None:
+    def pp_stage(self, stage: TimedStage) -> None:
         self.pp_stages = [stage]
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -168,7 +168,7 @@ class Strategy(base.Strategy):
         self.layout = [[(k, v.shape, v.dtype) for k, v in s.state_dict().items()] for s in stages]
         self.full = model if self.info.is_main else None
         self.stages = [stages[i] for i in self.local]
-        self.pp_stages = [_TimedStage(stages[i], i, self.num_stages, self.info.device) for i in self.local]
+        self.pp_stages = [TimedStage(stages[i], i, self.num_stages, self.info.device) for i in self.local]
         o = self.options
         # Each micro-batch's loss is a mean, so scale_grads divides the summed gradients by M.
         if o.schedule in MULTI_STAGE:  # torch's runtime places the stages: looped, or V-shaped for zbv, dualpipev
@@ -179,7 +179,7 @@ class Strategy(base.Strategy):
             self.schedule = schedule_cls(self.pp_stage, n_microbatches=1 if o.schedule == "naive" else o.microbatches,
                                          loss_fn=models.loss, scale_grads=True)
         # The first step's shape exchange, tagged apart from the transfers (where torch lets us).
-        wrap_pipeline_stage_init(self.schedule, _tagging(SETUP_TAG))
+        wrap_pipeline_stage_init(self.schedule, tagging(SETUP_TAG))
         return self.stage if len(self.stages) == 1 else nn.ModuleList(self.stages)
 
     def _schedule_step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -245,14 +245,14 @@ class Strategy(base.Strategy):
         with tagged(GATHER_TAG), torch.no_grad():
             if not self.info.is_main:
                 mine = {k: v for s in self.stages for k, v in s.state_dict().items()}
-                dtype = _common_dtype([e for i in self.local for e in self.layout[i]])
+                dtype = common_dtype([e for i in self.local for e in self.layout[i]])
                 dist.send(torch.cat([t.reshape(-1).to(dtype) for t in mine.values()]), dst=0)
                 return mine
             full = self.full.state_dict(keep_vars=True)
             for rank in range(1, world):
                 entries = [e for i in held[rank] for e in self.layout[i]]
                 sizes = [shape.numel() for _, shape, _ in entries]
-                flat = torch.empty(sum(sizes), dtype=_common_dtype(entries), device=self.info.device)
+                flat = torch.empty(sum(sizes), dtype=common_dtype(entries), device=self.info.device)
                 dist.recv(flat, src=rank)
                 for (key, shape, _), part in zip(entries, flat.split(sizes)):
                     full[key].copy_(part.view(shape))
@@ -267,7 +267,8 @@ class Strategy(base.Strategy):
                 "stage_parameters": sum(p.numel() for s in self.stages for p in s.parameters())}
 
 
-def _common_dtype(entries: list[tuple[str, torch.Size, torch.dtype]]) -> torch.dtype:
+def common_dtype(entries: list[tuple[str, torch.Size, torch.dtype]]) -> torch.dtype:
+    """The dtype every entry casts to without loss (float64 stays float64), for one flat message."""
     return functools.reduce(torch.promote_types, [d for _, _, d in entries])
 
 
