@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dtlab.core import muon
 from dtlab.core.compat import fsdp_default_comms
@@ -40,11 +39,11 @@ from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
-from dtlab.core.memory import tensor_bytes
 from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
+from dtlab.instrument.gathered import GatheredBytes
 from dtlab.tiers.parts import base, checkpoint, fsdp_muon
 from dtlab.tiers.parts.fsdp_comms import record_comms
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
@@ -181,8 +180,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
 
 
 class Strategy(base.Strategy):
-    # Count the all-gathered bytes (memory()): a unit is gathered while its parameters are plain tensors
-    counts_gathered = True
+    counts_gathered = True  # report the gathered bytes (comm_buffers): plain tensors while a unit is gathered
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
@@ -192,12 +190,7 @@ class Strategy(base.Strategy):
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
-        self.gathered_after_forward = 0  # bytes of full parameters kept from forward to backward
-        self.gathered_peak = 0  # the most bytes of full parameters held at once (see gathering())
-        self._unit_params: dict[str, list[str]] = {}  # unit -> the names of the parameters it gathers
-        self._unit_bytes: dict[str, int] = {}  # unit -> bytes of its full parameters, in the compute dtype
-        self._counting = False  # count the gathered bytes (the first step only)
-        self._model: nn.Module | None = None
+        self.gathered: GatheredBytes | None = None
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -208,51 +201,21 @@ class Strategy(base.Strategy):
         return self.shard(model, layout.build(self.info.device.type))
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``apply_fsdp`` over ``mesh``, then this tier's counts: the bytes each unit gathers (the first step's
-        peak, ``gathering``) and the full parameters still held after forward."""
-        named = apply_fsdp(model, mesh, self.options, self.info.device.type, self.gathering)
+        """``apply_fsdp`` over ``mesh``, counting what each rank holds gathered (``GatheredBytes``)."""
+        named = apply_fsdp(model, mesh, self.options, self.info.device.type,
+                           lambda unit: self.gathered and self.gathered.gathering(unit))
         self.units = list(named.values())
         if self.counts_gathered:
-            self._count_units(model, named, MIXED_PRECISION[self.options.mixed_precision])
-
-        def held_after_forward(*_: Any) -> None:
-            # Runs after FSDP's own post-forward (registered later): the parameters still
-            # unsharded now stay in memory until backward.
-            held = tensor_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
-            self.gathered_after_forward = max(self.gathered_after_forward, held)
-
-        model.register_forward_hook(held_after_forward)
+            self.gathered = GatheredBytes(model, named, MIXED_PRECISION[self.options.mixed_precision])
         return model
 
-    def _count_units(self, model: nn.Module, named: dict[nn.Module, str], dtype: torch.dtype | None) -> None:
-        """Each unit's parameter names and full (unsharded) bytes, in the dtype it computes with."""
-        prefix = {unit: "" if unit is model else next(n for n, m in model.named_modules() if m is unit) + "."
-                  for unit in named}
-        owned = {f"{prefix[u]}{n}" for u in named if u is not model for n, _ in u.named_parameters()}
-        for unit, name in named.items():
-            names = [f"{prefix[unit]}{n}" for n, _ in unit.named_parameters()]
-            self._unit_params[name] = [n for n in names if unit is not model or n not in owned]
-        for name, params in self._unit_params.items():
-            tensors = [model.get_parameter(n) for n in params]
-            self._unit_bytes[name] = sum(p.numel() * (dtype or p.dtype).itemsize for p in tensors)
-        self._model = model
-
-    def gathering(self, unit: str) -> None:
-        """Just before ``unit``'s all-gather: the units still unsharded (their parameters are plain tensors,
-        not DTensor shards) plus this one are the full parameters held once it lands."""
-        if not self._counting or self._model is None:
-            return
-        get = self._model.get_parameter
-        held = sum(size for name, size in self._unit_bytes.items()
-                   if name != unit and not isinstance(get(self._unit_params[name][0]), DTensor))
-        self.gathered_peak = max(self.gathered_peak, held + self._unit_bytes.get(unit, 0))
-
     def on_step_start(self, step: int) -> None:
-        self._counting = step == self.start_step  # the first step: the peak is the same every step
+        if self.gathered:
+            self.gathered.counting = step == self.start_step  # the first step: the peak is the same every step
 
     def memory(self) -> dict[str, int]:
-        """``comm_buffers``: the most bytes of all-gathered parameters held at once (``gathering``)."""
-        return {"comm_buffers": self.gathered_peak} if self.gathered_peak else {}
+        """``comm_buffers``: the most bytes of all-gathered parameters held at once."""
+        return {"comm_buffers": self.gathered.peak} if self.gathered and self.gathered.peak else {}
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.parts.fsdp_muon)
@@ -264,7 +227,8 @@ class Strategy(base.Strategy):
         return optimizer
 
     def on_step_end(self, step: int) -> None:
-        self._counting = False
+        if self.gathered:
+            self.gathered.counting = False
         self.checkpoints.after_step(step)
 
     # -- what the loop reads back (on every rank) --------------------------------------
@@ -290,8 +254,8 @@ class Strategy(base.Strategy):
                                "gather_comm_dtype": getattr(self.options, "gather_comm_dtype", "fp32"),
                                "reduce_comm_dtype": getattr(self.options, "reduce_comm_dtype", "fp32"),
                                "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate,
-                               "gathered_after_forward_bytes": self.gathered_after_forward,
-                               "unit_bytes": dict(self._unit_bytes)}
+                               "gathered_after_forward_bytes": self.gathered.after_forward if self.gathered else 0,
+                               "unit_bytes": dict(self.gathered.unit_bytes) if self.gathered else {}}
         return {**out, **self.checkpoints.describe()}
 
 
