@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from dtlab.core import muon
-from dtlab.core.compat import fsdp_default_comms
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
 from dtlab.core.env import resolve_backend
@@ -45,7 +44,7 @@ from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.gathered import GatheredBytes
 from dtlab.tiers.parts import base, checkpoint, fsdp_muon
-from dtlab.tiers.parts.fsdp_comms import record_comms
+from dtlab.tiers.parts.fsdp_comms import check_comm_options, record_comms
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
 __all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "preflight", "shard_units", "validate"]
@@ -98,23 +97,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.world_size % o.replicate:
         raise ValueError(f"{name}.replicate={o.replicate} is invalid: it must divide world_size={cfg.world_size} "
                          "(replicate groups of world_size / replicate ranks each)")
-    check_comm_dtypes(o, name)
+    check_comm_options(o, name)
     if cfg.optimizer == "muon":
         fsdp_muon.check(cfg, name)
-
-
-def check_comm_dtypes(o: Options, name: str) -> None:
-    """The quantised-communication knobs: a known code each, a block of whole 4-byte words."""
-    for field in ("gather_comm_dtype", "reduce_comm_dtype"):
-        if getattr(o, field) not in COMM_DTYPES:
-            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
-    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
-        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
-                         "(at least 4)")
-    quantised = (o.gather_comm_dtype, o.reduce_comm_dtype) != ("fp32", "fp32")
-    if quantised and fsdp_default_comms() is None:
-        raise ValueError(f"{name}.gather_comm_dtype/reduce_comm_dtype need FSDP2's custom comms, which torch "
-                         f"{torch.__version__} lacks: use 'fp32'")
 
 
 def check_dtype(cfg: RunConfig, name: str) -> None:
