@@ -134,7 +134,8 @@ def ddp_steps(info, bucket_cap_mb, steps):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     cfg = dtlab.RunConfig(tier="ddp", world_size=info.world_size, tier_options=DDPOptions(bucket_cap_mb=bucket_cap_mb))
-    from dtlab.tiers.ddp import Strategy, bucket_layout
+    from dtlab.instrument.buckets import bucket_layout
+    from dtlab.tiers.ddp import Strategy
 
     strategy = Strategy(cfg, info)
     rec = instrument.active()

@@ -20,24 +20,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlab.core.compat import ddp_bucket_sizes
 from dtlab.core.config import RunConfig
-from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
-from dtlab.core.memory import tensor_bytes
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
+from dtlab.instrument.buckets import bucket_layout, comm_buffer_bytes
 from dtlab.instrument.recorder import tag_ddp_hook
-from dtlab.tiers.parts import base, checkpoint
-from dtlab.tiers.parts.quantised_comms import hook_for
+from dtlab.tiers.parts import base, checkpoint, ddp_hooks
+from dtlab.tiers.parts.ddp_hooks import COMM_HOOKS
 from dtlab.tiers.parts.syncbn import convert_sync_batchnorm
 
-__all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "bucket_layout", "preflight", "validate"]
-
-COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
+__all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "preflight", "validate"]
 
 
 @dataclass(frozen=True)
@@ -70,58 +65,21 @@ def validate(cfg: RunConfig) -> None:
     name = f"{cfg.tier} tier_options"
     if not o.bucket_cap_mb > 0:
         raise ValueError(f"{name}.bucket_cap_mb={o.bucket_cap_mb!r} is invalid: must be > 0 MB")
-    if o.comm_hook not in COMM_HOOKS:
-        raise ValueError(f"{name}.comm_hook={o.comm_hook!r} is invalid: choose one of {', '.join(COMM_HOOKS)}")
-    backend, _ = resolve_backend(cfg.backend, cfg.device)
-    if o.comm_hook == "bf16" and backend != "nccl":
-        raise ValueError(f"{name}.comm_hook='bf16' needs the nccl backend: torch refuses bf16 all-reduce on "
-                         f"{backend}; use 'fp16' there")
     if not isinstance(o.accumulation_steps, int) or o.accumulation_steps < 1:
         raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps!r} is invalid: must be an integer >= 1")
     if cfg.per_rank_batch % o.accumulation_steps:
         raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps} is invalid: it must divide the "
                          f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
-    if o.powersgd_rank < 1:
-        raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
+    ddp_hooks.check(cfg, o, name)
     if isinstance(o, Options):
         checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
-        validate_comm_dtype(cfg, o, name)
-
-
-def validate_comm_dtype(cfg: RunConfig, o: Options, name: str) -> None:
-    """The quantised all-reduce's knobs, and what it cannot be combined with."""
-    if o.comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
-    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
-        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
-                         "(at least 4)")
-    if o.comm_dtype != "fp32" and o.comm_hook != "allreduce":
-        raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid with comm_hook={o.comm_hook!r}: both "
-                         "choose how buckets are reduced; use comm_hook='allreduce'")
-    if cfg.optimizer == "muon" and (o.checkpoint_dir or o.resume_from):
-        raise ValueError(f"{name}.checkpoint_dir/resume_from are invalid with RunConfig.optimizer='muon': its "
-                         "state is not checkpointed yet; use adam or sgd")
+        if cfg.optimizer == "muon" and (o.checkpoint_dir or o.resume_from):
+            raise ValueError(f"{name}.checkpoint_dir/resume_from are invalid with RunConfig.optimizer='muon': its "
+                             "state is not checkpointed yet; use adam or sgd")
 
 
 def preflight(cfg: RunConfig) -> None:
     checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
-
-
-def comm_hook(options: BucketOptions) -> tuple[Any, Any]:
-    """The (state, hook) pair DDP registers for ``options.comm_hook`` (or a quantised ``comm_dtype``); (None, None)
-    for DDP's built-in all-reduce."""
-    if getattr(options, "comm_dtype", "fp32") != "fp32":
-        return hook_for(options.comm_dtype, options.comm_block)
-    if options.comm_hook == "fp16":
-        return None, default_hooks.fp16_compress_hook
-    if options.comm_hook == "bf16":
-        return None, default_hooks.bf16_compress_hook
-    if options.comm_hook == "powersgd":
-        # start_powerSGD_iter=2: compress from the second step (DDP rebuilds buckets after the first).
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.powersgd_rank,
-                                            start_powerSGD_iter=2, random_seed=0)
-        return state, powerSGD_hook.powerSGD_hook
-    return None, None
 
 
 class Strategy(base.Strategy):
@@ -152,7 +110,7 @@ class Strategy(base.Strategy):
             model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
-        state, hook = comm_hook(self.options)
+        state, hook = ddp_hooks.comm_hook(self.options)
         self.hook_state = state
         if hook is not None:  # its calls are tagged with their bucket (a recorder sees them as any other)
             self.ddp.register_comm_hook(state, tag_ddp_hook(hook))
@@ -174,12 +132,8 @@ class Strategy(base.Strategy):
         return model.module if isinstance(model, DistributedDataParallel) else model
 
     def memory(self) -> dict[str, int]:
-        """``comm_buffers``: the reducer's buckets (one flat tensor each), unless the gradients are views
-        into them (``gradient_as_bucket_view``: counted once, as gradients), plus a PowerSGD hook's state."""
-        if self.ddp is None:
-            return {}
-        buckets = 0 if self.ddp.gradient_as_bucket_view else sum(ddp_bucket_sizes(self.ddp))
-        return {"comm_buffers": buckets + hook_state_bytes(self.hook_state)}
+        """``comm_buffers``: the reducer's buckets and a comm hook's state (``instrument.buckets``)."""
+        return {"comm_buffers": comm_buffer_bytes(self.ddp, self.hook_state)} if self.ddp is not None else {}
 
     def describe(self) -> dict[str, Any]:
         """The knobs and the bucket layout (``bucket_layout``: sizes as a list of ints) for RankResult.strategy."""
@@ -188,24 +142,6 @@ class Strategy(base.Strategy):
         return {"bucket_cap_mb": self.options.bucket_cap_mb, "comm_hook": self.options.comm_hook,
                 "comm_dtype": getattr(self.options, "comm_dtype", "fp32"),
                 **bucket_layout(self.ddp), **self.checkpoints.describe()}
-
-
-def hook_state_bytes(state: Any) -> int:
-    """Tensors a comm hook keeps between steps: PowerSGD's error feedback and its P and Q matrices."""
-    if not isinstance(state, powerSGD_hook.PowerSGDState):
-        return 0
-    kept = [*state.error_dict.values(), *state.p_memory_dict.values(), *state.q_memory_dict.values()]
-    return tensor_bytes(kept)
-
-
-def bucket_layout(model: DistributedDataParallel) -> dict[str, Any]:
-    """DDP's current buckets: ``num_buckets`` and ``bucket_sizes_bytes``, a list of ints in gradient-ready order.
-
-    The sizes stay a list of ints from here on: in RankResult.strategy,
-    result.json (a JSON array) and the cost model's run numbers.
-    """
-    sizes = ddp_bucket_sizes(model)  # the reducer's current layout (see dtlab.core.compat)
-    return {"num_buckets": len(sizes), "bucket_sizes_bytes": sizes}
 
 
 SPEC = TierSpec(name="ddp", summary="DistributedDataParallel: bucketed all-reduces overlapped with backward",
