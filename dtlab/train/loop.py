@@ -71,29 +71,25 @@ class _Loop:
         self.recorder.step = self.cfg.steps
 
     def step(self, step: int) -> dict[str, float]:
-        mark, strategy, model = self.clock.mark, self.strategy, self.model
+        strategy, model, phase = self.strategy, self.model, self.recorder.phase
         first_event, first_phase = len(self.recorder.events), len(self.phases)
-        t0 = mark()
-        idx = self.batches.indices(step)
-        x, y = self.data.train_x[idx].to(self.info.device), self.data.train_y[idx].to(self.info.device)
-        t_data = mark()
-        self.phases.append(("data", t0, t_data, step))
+        with phase("data"):
+            idx = self.batches.indices(step)
+            x, y = self.data.train_x[idx].to(self.info.device), self.data.train_y[idx].to(self.info.device)
         if strategy.custom_step:  # e.g. a pipeline schedule: forward and backward interleave
-            self.straggle()
-            step_loss = strategy.run_step(model, x, y)
-            self.phases.append(("forward_backward", t_data, mark(), step))
+            with phase("forward_backward"):
+                self.straggle()
+                step_loss = strategy.run_step(model, x, y)
         else:
             step_loss = self.forward_backward(step, x, y)
-        a = mark()
-        strategy.sync_gradients(model)
-        b = mark()
+        with phase("comm"):
+            strategy.sync_gradients(model)
         if step == self.start:  # the first step is warm-up, left out of the medians: accounting costs nothing there
             self.memory["gradients"] = gradient_bytes(strategy.unwrap(model))
-        o = mark()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.phases += [("comm", a, b, step), ("optimizer", o, mark(), step)]
-        # On CUDA the marks become the GPU's times here, once per step (a no-op on the CPU).
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        # On CUDA the phases' marks become the GPU's times here, once per step (a no-op on the CPU).
         self.recorder.retime(self.clock.resolve(), first_event, first_phase)
         if step == self.start:
             self.memory["optimizer_state"] = optimizer_state_bytes(self.optimizer)
@@ -123,27 +119,25 @@ class _Loop:
 
     def forward_backward(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the step's micro-batches; all but the last under ``no_sync``."""
-        mark, strategy, model = self.clock.mark, self.strategy, self.model
+        strategy, model = self.strategy, self.model
         accum = strategy.accumulation_steps
         micro_batches = zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else [(x, y)]
         step_loss = torch.zeros((), dtype=torch_dtype(self.cfg), device=self.info.device)  # float64 jobs: float64
         for micro, (xm, ym) in enumerate(micro_batches):
             last = micro == accum - 1
             with strategy.no_sync(model) if not last else _nothing(), strategy.step_context():
-                a = mark()
-                with SavedActivations() if step == self.start and micro == 0 else _nothing() as acts:
-                    with self.autocast():  # the forward and the loss only: backward follows the forward's dtypes
-                        loss = models.training_loss(model, model(xm), ym)
-                    if accum > 1:
-                        loss = loss / accum
-                if micro == 0:
-                    self.straggle()
-                if acts is not None:
-                    self.memory["activations"] = acts.bytes(exclude=model.parameters())
-                b = mark()
-                loss.backward()
-                c = mark()
-            self.phases += [("forward", a, b, step), ("backward", b, c, step)]
+                with self.recorder.phase("forward"):
+                    with SavedActivations() if step == self.start and micro == 0 else _nothing() as acts:
+                        with self.autocast():  # the forward and the loss only: backward follows the forward's dtypes
+                            loss = models.training_loss(model, model(xm), ym)
+                        if accum > 1:
+                            loss = loss / accum
+                    if micro == 0:
+                        self.straggle()
+                    if acts is not None:
+                        self.memory["activations"] = acts.bytes(exclude=model.parameters())
+                with self.recorder.phase("backward"):
+                    loss.backward()
             step_loss += _local(loss.detach())
         return step_loss
 
