@@ -30,9 +30,9 @@ from dtlab.instrument.buckets import bucket_layout, comm_buffer_bytes
 from dtlab.instrument.recorder import tag_ddp_hook
 from dtlab.tiers.parts import base, checkpoint, ddp_hooks
 from dtlab.tiers.parts.ddp_hooks import COMM_HOOKS
-from dtlab.tiers.parts.syncbn import convert_sync_batchnorm
+from dtlab.tiers.parts.syncbn import sync_batchnorm
 
-__all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "preflight", "validate"]
+__all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "validate"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,7 @@ class BucketOptions:
 
 
 @dataclass(frozen=True)
-class Options(BucketOptions):
-    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN (see dtlab.tiers.parts.checkpoint)
-    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
-    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+class Options(checkpoint.Knobs, BucketOptions):  # DDP's knobs, then the checkpoint's (dtlab.tiers.parts.checkpoint)
     # Quantised gradients (dtlab.core.quantise): fp32 is DDP's own all-reduce; bf16, int8 and fp8 are gathered as
     # codes with a float32 scale per comm_block elements and summed in float32 on every rank
     comm_dtype: str = "fp32"
@@ -71,15 +68,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps} is invalid: it must divide the "
                          f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
     ddp_hooks.check(cfg, o, name)
-    if isinstance(o, Options):
-        checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
-        if cfg.optimizer == "muon" and (o.checkpoint_dir or o.resume_from):
-            raise ValueError(f"{name}.checkpoint_dir/resume_from are invalid with RunConfig.optimizer='muon': its "
-                             "state is not checkpointed yet; use adam or sgd")
-
-
-def preflight(cfg: RunConfig) -> None:
-    checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
+    if isinstance(o, checkpoint.Knobs):
+        checkpoint.validate_knobs(cfg, saves_muon=False)
 
 
 class Strategy(base.Strategy):
@@ -91,18 +81,12 @@ class Strategy(base.Strategy):
         self.accumulation_steps = self.options.accumulation_steps
         self.ddp: DistributedDataParallel | None = None
         self.hook_state: Any = None  # the comm hook's state (PowerSGD's matrices), if it has one
-        o = self.options
         # Tiers built on ddp whose options have no checkpoint knobs (zero, elastic) save nothing here.
-        self.checkpoints = checkpoint.Periodic(getattr(o, "checkpoint_dir", ""), getattr(o, "checkpoint_every", 0),
-                                               getattr(o, "resume_from", ""), cfg.steps)
+        self.checkpoints = checkpoint.Periodic.of(self.options, cfg.steps)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.options.sync_batchnorm:
-            # torch's SyncBatchNorm is GPU-only; on CPU dtlab's own does the same all-reduces.
-            if self.info.device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            else:
-                model = convert_sync_batchnorm(model)
+            model = sync_batchnorm(model, self.info.device)
         device_ids = [self.info.device] if self.info.device.type == "cuda" else None
         # Pass broadcast_buffers only to switch it off: newer torch deprecates the name.
         extra = {} if self.options.broadcast_buffers else {"broadcast_buffers": False}
@@ -145,5 +129,5 @@ class Strategy(base.Strategy):
 
 
 SPEC = TierSpec(name="ddp", summary="DistributedDataParallel: bucketed all-reduces overlapped with backward",
-                options=Options, validate=validate, strategy=Strategy, preflight=preflight,
+                options=Options, validate=validate, strategy=Strategy, preflight=checkpoint.preflight,
                 optimizers=("sgd", "adam", "muon"), choices={"comm_hook": COMM_HOOKS, "comm_dtype": COMM_DTYPES})

@@ -47,7 +47,7 @@ from dtlab.tiers.parts import base, checkpoint, fsdp_muon
 from dtlab.tiers.parts.fsdp_comms import check_comm_options, record_comms
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
-__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "preflight", "shard_units", "validate"]
+__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "shard_units", "validate"]
 
 MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,10 +110,6 @@ def check_dtype(cfg: RunConfig, name: str) -> None:
                          f"computes in 16 bits and reduces in float32; use mixed_precision='none'")
 
 
-def preflight(cfg: RunConfig) -> None:
-    checkpoint.check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
-
-
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules that get their own ``fully_shard`` (the root gets one too), in forward order."""
     blocks = getattr(model, "blocks", None)
@@ -171,7 +167,7 @@ class Strategy(base.Strategy):
         super().__init__(cfg, info)
         self.options: Options = cfg.tier_options
         o = self.options
-        self.checkpoints = checkpoint.Periodic(o.checkpoint_dir, o.checkpoint_every, o.resume_from, cfg.steps)
+        self.checkpoints = checkpoint.Periodic.of(o, cfg.steps)
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
@@ -245,7 +241,7 @@ class Strategy(base.Strategy):
 
 
 SPEC = TierSpec(name="fsdp", summary="FSDP2 (fully_shard): parameters, gradients and optimizer state sharded",
-                options=Options, validate=validate, strategy=Strategy, preflight=preflight,
+                options=Options, validate=validate, strategy=Strategy, preflight=checkpoint.preflight,
                 optimizers=("sgd", "adam", "muon"),
                 choices={"mixed_precision": tuple(MIXED_PRECISION), "gather_comm_dtype": COMM_DTYPES,
                          "reduce_comm_dtype": COMM_DTYPES})

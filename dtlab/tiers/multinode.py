@@ -21,6 +21,7 @@ from typing import Any
 from dtlab.core.config import RunConfig
 from dtlab.core.registry import AgentPlan, TierSpec
 from dtlab.tiers import ddp
+from dtlab.tiers.parts import checkpoint
 
 __all__ = ["NETWORKS", "Options", "SPEC", "Strategy", "agents", "validate"]
 
@@ -72,6 +73,6 @@ def agents(cfg: RunConfig) -> AgentPlan:
 
 
 SPEC = TierSpec(name="multinode", summary="DDP on several torchrun agents (nodes), on loopback or simulated hosts",
-                options=Options, validate=validate, strategy=Strategy, launcher="torchrun", preflight=ddp.preflight,
-                agents=agents,
+                options=Options, validate=validate, strategy=Strategy, launcher="torchrun",
+                preflight=checkpoint.preflight, agents=agents,
                 choices={"comm_hook": ddp.COMM_HOOKS, "comm_dtype": ddp.COMM_DTYPES, "network": NETWORKS})

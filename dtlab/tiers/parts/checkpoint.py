@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,8 @@ from torch import nn
 
 from dtlab.instrument.recorder import tagged
 
-__all__ = ["METADATA", "CheckpointError", "Periodic", "latest", "load", "resolve", "save", "saved_step",
-           "step_dir", "validate_options", "verify"]
+__all__ = ["METADATA", "CheckpointError", "Knobs", "Periodic", "latest", "load", "preflight", "resolve", "save",
+           "saved_step", "step_dir", "validate_knobs", "validate_options", "verify"]
 
 METADATA = ".metadata"  # DCP's index, written by rank 0 after every rank's shards
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -214,6 +215,30 @@ def _quiet() -> Any:
         yield
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """The checkpoint options a tier composes into its own (``class Options(Knobs, ...)``)."""
+
+    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
+    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
+    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+
+
+def validate_knobs(cfg: Any, saves_muon: bool) -> None:
+    """``validate_options`` on a job whose tier options have the ``Knobs``; ``saves_muon``: whether the tier
+    checkpoints the muon optimizer's state."""
+    o, name = cfg.tier_options, f"{cfg.tier} tier_options"
+    validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+    if cfg.optimizer == "muon" and not saves_muon and (o.checkpoint_dir or o.resume_from):
+        raise ValueError(f"{name}.checkpoint_dir/resume_from are invalid with RunConfig.optimizer='muon': its "
+                         "state is not checkpointed yet; use adam or sgd")
+
+
+def preflight(cfg: Any) -> None:
+    """A tier's preflight when its options have the ``Knobs``: ``check_resume`` on ``resume_from``."""
+    check_resume(f"{cfg.tier} tier_options", cfg.tier_options.resume_from, cfg.steps)
+
+
 def validate_options(name: str, checkpoint_dir: str, checkpoint_every: Any) -> None:
     """The checks a tier with checkpoint options runs in ``validate(cfg)``; ``name`` prefixes the errors."""
     if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 0:
@@ -241,6 +266,12 @@ class Periodic:
     The tier calls ``after_step`` from its Strategy's ``on_step_end``; like every
     DCP save, a save is a collective, run by every rank.
     """
+
+    @classmethod
+    def of(cls, options: Any, total_steps: int) -> Periodic:
+        """From a tier's options: its ``Knobs`` if it has them, otherwise saving nothing."""
+        return cls(getattr(options, "checkpoint_dir", ""), getattr(options, "checkpoint_every", 0),
+                   getattr(options, "resume_from", ""), total_steps)
 
     def __init__(self, directory: str, every: int, resume_from: str, total_steps: int) -> None:
         self.directory, self.every, self.resume_from, self.total_steps = directory, every, resume_from, total_steps

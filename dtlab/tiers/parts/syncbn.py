@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["CPUSyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["CPUSyncBatchNorm", "convert_sync_batchnorm", "sync_batchnorm"]
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -172,6 +172,14 @@ class CPUSyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.process_group is None else ", process_group=<given>")
+
+
+def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with synchronised BatchNorm: torch's ``SyncBatchNorm`` on CUDA (it is GPU-only), dtlab's
+    ``CPUSyncBatchNorm`` elsewhere (the same all-reduces)."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return convert_sync_batchnorm(model)
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
