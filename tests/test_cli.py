@@ -289,6 +289,27 @@ def test_the_tiers_folder_lists_the_course_and_its_parts_live_below_it():
     assert (folder / "parts" / "base.py").is_file()
 
 
+def test_no_tier_reaches_into_another_or_builds_its_strategy_and_one_place_builds_meshes():
+    import ast
+
+    from dtlab import tiers
+
+    folder = Path(tiers.__file__).parent
+    names = {name.replace("-", "_") for name in tiers.TIERS}
+    borrowed = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names \
+                    and node.value.id != path.stem and (node.attr.startswith("_") or node.attr == "Strategy") \
+                    and not any(isinstance(b, ast.ClassDef) and node in b.bases for b in ast.walk(tree)):
+                borrowed.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not borrowed, f"compose through public functions, not another tier's privates or Strategy: {borrowed}"
+    calls = [str(p.relative_to(folder.parents[1])) for p in folder.parents[1].joinpath("dtlab").rglob("*.py")
+             if "init_device_mesh(" in p.read_text()]
+    assert calls == ["dtlab/core/mesh.py"], calls
+
+
 def test_the_front_door_figures_the_docs_quote_are_the_committed_results():
     root = Path(__file__).resolve().parents[1]
     rows = pd.read_csv(root / "docs" / "figures" / "front_door.csv")
