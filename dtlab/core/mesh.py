@@ -42,9 +42,6 @@ class Layout:
     def world(self) -> int:
         return math.prod(self.shape)
 
-    def degree(self, name: str) -> int:
-        return dict(self.axes)[name]
-
     def check(self, world_size: int, where: str) -> None:
         """ValueError naming the field (``where.NAME``) unless every degree is an integer >= 1 and they multiply
         to ``world_size``."""

@@ -16,14 +16,30 @@ pieces in the same order hold identical results.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["COMM_DTYPES", "PAYLOAD_BYTES", "decode", "encode", "encoded_bytes"]
+__all__ = ["COMM_DTYPES", "PAYLOAD_BYTES", "check_options", "decode", "encode", "encoded_bytes"]
 
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")
 PAYLOAD_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "fp8": 1}  # per element, before the scales
 _LARGEST = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each code represents
 _SCALE_BYTES = 4  # one float32 per block
+
+
+def check_options(options: Any, name: str, fields: tuple[str, ...], block: str | None = "comm_block") -> None:
+    """A tier's codes knobs: ValueError naming the field unless each of ``fields`` is one of ``COMM_DTYPES`` and
+    ``block`` (elements per scale) is a multiple of 4, at least 4."""
+    for field in fields:
+        if getattr(options, field) not in COMM_DTYPES:
+            raise ValueError(f"{name}.{field}={getattr(options, field)!r} is invalid: choose one of "
+                             f"{', '.join(COMM_DTYPES)}")
+    if block is None:
+        return
+    size = getattr(options, block)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 4 or size % 4:
+        raise ValueError(f"{name}.{block}={size!r} is invalid: elements per scale, a multiple of 4 (at least 4)")
 
 
 def _scaled(dtype: str) -> bool:

@@ -40,7 +40,7 @@ from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
 from dtlab.core.job import OptimizerFactory, build_job, load_data, optimizer_params
 from dtlab.core.models import evaluate
-from dtlab.core.quantise import COMM_DTYPES
+from dtlab.core.quantise import COMM_DTYPES, check_options
 from dtlab.core.registry import TierSpec
 from dtlab.core.replica import identity
 from dtlab.tiers.parts import base, replicas
@@ -73,9 +73,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.steps % o.sync_every:
         raise ValueError(f"{name}.sync_every={o.sync_every} must divide steps={cfg.steps}: the run ends on a "
                          f"synchronisation, where every replica group holds the same model")
-    if o.outer_comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"{name}.outer_comm_dtype={o.outer_comm_dtype!r} is invalid: choose one of "
-                         f"{', '.join(COMM_DTYPES)}")
+    check_options(o, name, ("outer_comm_dtype",), block=None)
     if not isinstance(o.evaluate_syncs, bool):
         raise ValueError(f"{name}.evaluate_syncs={o.evaluate_syncs!r} is invalid: must be True or False")
     if not o.outer_lr > 0:

@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from dtlab.core.config import RunConfig
 from dtlab.core.env import resolve_backend
-from dtlab.core.quantise import COMM_DTYPES
+from dtlab.core.quantise import check_options
 from dtlab.tiers.parts.quantised_comms import hook_for
 
 __all__ = ["COMM_HOOKS", "check", "comm_hook"]
@@ -33,11 +33,7 @@ def check(cfg: RunConfig, o: Any, name: str) -> None:
         raise ValueError(f"{name}.powersgd_rank={o.powersgd_rank!r} is invalid: must be >= 1")
     if not hasattr(o, "comm_dtype"):
         return
-    if o.comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
-    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
-        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
-                         "(at least 4)")
+    check_options(o, name, ("comm_dtype",))
     if o.comm_dtype != "fp32" and o.comm_hook != "allreduce":
         raise ValueError(f"{name}.comm_dtype={o.comm_dtype!r} is invalid with comm_hook={o.comm_hook!r}: both "
                          "choose how buckets are reduced; use comm_hook='allreduce'")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlab.core.compat import fsdp_default_comms
-from dtlab.core.quantise import COMM_DTYPES
+from dtlab.core.quantise import check_options
 from dtlab.instrument.recorder import active, tagged
 from dtlab.tiers.parts.quantised_comms import quantised_all_gather, quantised_reduce_scatter
 
@@ -29,12 +29,7 @@ __all__ = ["check_comm_options", "record_comms"]
 
 def check_comm_options(o: Any, name: str) -> None:
     """The quantised-communication knobs: a known code each, a block of whole 4-byte words."""
-    for field in ("gather_comm_dtype", "reduce_comm_dtype"):
-        if getattr(o, field) not in COMM_DTYPES:
-            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
-    if not isinstance(o.comm_block, int) or isinstance(o.comm_block, bool) or o.comm_block < 4 or o.comm_block % 4:
-        raise ValueError(f"{name}.comm_block={o.comm_block!r} is invalid: elements per scale, a multiple of 4 "
-                         "(at least 4)")
+    check_options(o, name, ("gather_comm_dtype", "reduce_comm_dtype"))
     quantised = (o.gather_comm_dtype, o.reduce_comm_dtype) != ("fp32", "fp32")
     if quantised and fsdp_default_comms() is None:
         raise ValueError(f"{name}.gather_comm_dtype/reduce_comm_dtype need FSDP2's custom comms, which torch "
