@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -54,6 +55,25 @@ def arm(rank: int) -> None:
     folder = os.environ.get(DIR_ENV)
     if folder:
         threading.Thread(target=_watch, args=(Path(folder), rank), name="dtlab-fr-dump", daemon=True).start()
+
+
+def dump_on_sigterm(rank: int) -> None:
+    """Dump when SIGTERM comes (torchrun's agent stops the survivors of a failed rank with it), then die of it.
+
+    From a thread that waits for the signal, not a handler: a survivor is usually blocked in the collective
+    its failed peer never joined, where a handler would run only when gloo's timeout fires -- and torchrun
+    waits 30 s before it sends SIGKILL. Call it before any other thread starts: SIGTERM is blocked in this
+    thread and in every thread started after it, so that it reaches the waiting thread alone."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_die_of_sigterm, args=(rank,), name="dtlab-fr-sigterm", daemon=True).start()
+
+
+def _die_of_sigterm(rank: int) -> None:
+    signal.sigwait({signal.SIGTERM})
+    dump(rank, "terminated")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # SIGTERM's default action: the process ends
+    os._exit(128 + signal.SIGTERM)  # reached only where something replaced that default
 
 
 def _watch(folder: Path, rank: int) -> None:

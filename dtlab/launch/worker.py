@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -70,14 +69,8 @@ def _arm_flight_recorder(rank: int) -> None:
     (SIGTERM, sent to the survivors once one rank failed): dump, then die of the signal as before."""
     if not os.environ.get(flight.DIR_ENV):
         return
+    flight.dump_on_sigterm(rank)  # first: the threads started after it must not take SIGTERM themselves
     flight.arm(rank)
-
-    def on_term(signum: int, _frame: Any) -> None:
-        flight.dump(rank, "terminated")
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, on_term)
 
 
 def _die_with_agent() -> None:
