@@ -4,7 +4,7 @@ ft with torchft's default timeouts and with dtlab's tuned ones; and what ft cost
 The same job -- two data-parallel ranks (ddp, elastic) or two replica groups of one rank (ft), an MLP of width
 64, 40 steps of Adam -- runs as ddp (no faults), elastic and ft, with and without ``kill`` of rank / replica
 group 1 at step 12, ft under both timeout settings (``ft.Options(timeouts="torchft" | "tuned")``, in full in
-``dtlab.core.replica.TIMEOUTS``), interleaved per round (reversed every other round). Per round:
+``dtlab.core.ft.TIMEOUTS``), interleaved per round (reversed every other round). Per round:
 
 - time lost per fault: the killed run's training span (first to last finished step, from the run's events)
   minus the clean run's of the same tier and setting;
@@ -46,7 +46,7 @@ from dtlab.read import ft as ft_runs
 from dtlab.read import recovery
 from dtlab.tiers import elastic, ft
 from dtlab.train import run
-from dtlab.train.replicas import replica_agreement
+from dtlab.train.ft import replica_agreement
 
 NAME = "ft_recovery"
 FAULT_STEP = 12

@@ -289,6 +289,16 @@ def test_the_tiers_folder_lists_the_course_and_its_parts_live_below_it():
     assert (folder / "parts" / "base.py").is_file()
 
 
+def test_fault_tolerance_goes_by_one_name_in_every_layer():
+    """A learner looking for ft finds it by its name: no replica(s) module beside it in any layer."""
+    from dtlab import tiers
+
+    package = Path(tiers.__file__).parents[1]
+    assert sorted(str(p.relative_to(package)) for p in package.rglob("ft.py")) == [
+        "core/ft.py", "launch/ft.py", "read/ft.py", "tiers/ft.py", "tiers/parts/ft.py", "train/ft.py"]
+    assert not [p for p in package.rglob("replica*.py")]
+
+
 def test_no_tier_reaches_into_another_or_builds_its_strategy_and_one_place_builds_meshes():
     import ast
 

@@ -16,7 +16,7 @@ from dtlab.launch.contract import LaunchStopped
 from dtlab.read import ft as ft_runs
 from dtlab.read import recovery as fault_parts
 from dtlab.tiers import ft
-from dtlab.tiers.parts import replicas
+from dtlab.tiers.parts import ft as replica_groups
 from dtlab.train import preflight
 
 BASE = dict(world_size=2, model_size=64, steps=24, threads_per_rank=1, optimizer="adam")
@@ -80,7 +80,7 @@ def test_without_torchft_the_tier_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now raises ImportError
     with pytest.raises(ValueError) as caught:
         preflight(_cfg())
-    assert str(caught.value) == f"the ft tier needs torchft, which is not installed: {replicas.INSTALL}"
+    assert str(caught.value) == f"the ft tier needs torchft, which is not installed: {replica_groups.INSTALL}"
 
 
 def test_a_lighthouse_port_in_use_is_one_line_before_anything_starts():

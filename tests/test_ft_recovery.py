@@ -11,14 +11,14 @@ import torch
 from matplotlib.colors import to_rgb
 
 from dtlab.core.config import RunConfig, parse_slow_rank
-from dtlab.core.replica import TIMEOUTS, TORCHFT_TIMEOUTS, TUNED_TIMEOUTS, timeouts
+from dtlab.core.ft import TIMEOUTS, TORCHFT_TIMEOUTS, TUNED_TIMEOUTS, timeouts
 from dtlab.core.results import RankResult, RunResult, params_to_bytes
 from dtlab.cost import goodput as breakeven
 from dtlab.launch import lighthouse
 from dtlab.plots.recovery import PART_COLORS, recovery_timeline
 from dtlab.read import recovery
 from dtlab.tiers import ft
-from dtlab.train.replicas import replica_agreement
+from dtlab.train.ft import replica_agreement
 from tests import bench_scripts
 
 

@@ -55,7 +55,7 @@ class ReplicaPlan:
     network: str = "loopback"  # "loopback", "netns" or "auto": one simulated host per replica group
     link_mbit: float = 0.0  # cap of each simulated host's link (netns only); 0: uncapped
     lighthouse_port: int = 0  # 0: a free port
-    timeouts: str = "tuned"  # the lighthouse's: "tuned" (dtlab's) or "torchft" (its defaults); core.replica.TIMEOUTS
+    timeouts: str = "tuned"  # the lighthouse's: "tuned" (dtlab's) or "torchft" (its defaults); core.ft.TIMEOUTS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ would be no peer to recover from.
 
 Every group's ranks run ``fn(info, *args)`` with variables saying which
 replica group and which attempt they are, and where the lighthouse is
-(``dtlab.core.replica``). It takes the settings of every launcher (``LaunchOptions``) and
+(``dtlab.core.ft``). It takes the settings of every launcher (``LaunchOptions``) and
 returns a ``LaunchResult`` (values in replica order, then rank order); a run
 that fails, is stopped or interrupted leaves no lighthouse, manager or rank
 process behind.
@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dtlab.core import events, replica
+from dtlab.core import events, ft
 from dtlab.core.config import check_world_cap
 from dtlab.core.failures import NoPeerToRecover, RankError
-from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
+from dtlab.core.ft import TUNED_TIMEOUTS, Timeouts
 from dtlab.launch import lifeline
 from dtlab.launch import lighthouse as lighthouses
 from dtlab.launch.contract import LaunchOptions, LaunchResult, LaunchStopped, Progress, ProgressBar
@@ -92,7 +92,7 @@ class _Group(threading.Thread):
         run = self.shared
         # torchft's managers log every quorum and commit at info level: the ranks' logs keep warnings and errors
         quiet = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        return {**quiet, **run.options.env, **replica.environment(self.replica, attempt, run.replicas, run.lighthouse),
+        return {**quiet, **run.options.env, **ft.environment(self.replica, attempt, run.replicas, run.lighthouse),
                 events.WORKDIR_ENV: str(run.work)}
 
     def start_ranks(self, attempt: int) -> LaunchResult:

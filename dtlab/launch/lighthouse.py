@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtlab.core.replica import TUNED_TIMEOUTS, Timeouts
+from dtlab.core.ft import TUNED_TIMEOUTS, Timeouts
 from dtlab.launch import lifeline
 
 __all__ = ["Lighthouse", "LighthouseError", "running", "start", "stop"]

@@ -38,19 +38,19 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
+from dtlab.core.ft import identity
 from dtlab.core.job import OptimizerFactory, build_job, load_data, optimizer_params
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES, check_options
 from dtlab.core.registry import TierSpec
-from dtlab.core.replica import identity
-from dtlab.tiers.parts import base, replicas
+from dtlab.tiers.parts import base, ft  # the replica groups ft and diloco share
 from dtlab.tiers.parts.diloco_comm import QuantisedManager
 
 __all__ = ["Options", "SPEC", "Strategy", "fragment_modules", "validate"]
 
 
 @dataclass(frozen=True)
-class Options(replicas.ReplicaOptions):
+class Options(ft.ReplicaOptions):
     sync_every: int = 20  # H: inner steps between synchronisations
     outer_lr: float = 0.7
     outer_momentum: float = 0.9  # Nesterov
@@ -62,7 +62,7 @@ class Options(replicas.ReplicaOptions):
 def validate(cfg: RunConfig) -> None:
     o: Options = cfg.tier_options
     name = f"{cfg.tier} tier_options"
-    replicas.validate(cfg)
+    ft.validate(cfg)
     for field in ("sync_every", "fragments"):
         value = getattr(o, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -104,7 +104,7 @@ def fragment_modules(model: nn.Module, fragments: int) -> list[nn.Module]:
 
 
 def preflight(cfg: RunConfig) -> None:
-    replicas.preflight(cfg)
+    ft.preflight(cfg)
     if cfg.tier_options.fragments > 1:  # the model must have the layers to split (built on the CPU, not trained)
         fragment_modules(build_job(cfg, torch.device("cpu"))[0], cfg.tier_options.fragments)
 
@@ -120,9 +120,9 @@ class Strategy(base.Strategy):
         self.ident, self.options = identity(), cfg.tier_options
         self.data_rank, self.data_world = self.ident.replica * info.world_size + info.rank, cfg.world_size
         o = self.options
-        self.faults = replicas.Faults(replicas.parse_faults(o.faults, cfg.steps, o.replicas, cfg.tier), self.ident,
+        self.faults = ft.Faults(ft.parse_faults(o.faults, cfg.steps, o.replicas, cfg.tier), self.ident,
                                       info.rank)
-        self.manager, self.quorums = replicas.make_manager(cfg, info, self.ident, sync_quorum=True)
+        self.manager, self.quorums = ft.make_manager(cfg, info, self.ident, sync_quorum=True)
         self.model: nn.Module | None = None
         self.inner: torch.optim.Optimizer | None = None
         self.diloco: Any = None
@@ -140,7 +140,7 @@ class Strategy(base.Strategy):
         return DistributedDataParallel(model)  # inner steps: data parallel within the group
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
-        from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
+        from torchft.local_sgd import DiLoCo  # lazy: torchft is an optional extra (dtlab.tiers.parts.ft)
 
         o, plain = self.options, self.unwrap(model)
         self.inner = build(optimizer_params(plain, build))
@@ -150,7 +150,7 @@ class Strategy(base.Strategy):
         outer = [torch.optim.SGD(p.parameters(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=True)
                  for p in pieces]
         if self.ident.attempt == 0:
-            replicas.wait_for_all(self.manager, self.ident, self.cfg.timeout_s)
+            ft.wait_for_all(self.manager, self.ident, self.cfg.timeout_s)
         manager = self.manager if o.outer_comm_dtype == "fp32" else QuantisedManager(self.manager,
                                                                                      o.outer_comm_dtype)
         self.diloco = DiLoCo(manager, pieces, self.inner, outer, sync_every=o.sync_every,
@@ -210,9 +210,9 @@ class Strategy(base.Strategy):
         return {"replica": self.ident.replica, "attempt": self.ident.attempt, "group_rank": self.info.rank,
                 "sync_every": o.sync_every, "fragments": o.fragments, "outer_lr": o.outer_lr,
                 "outer_momentum": o.outer_momentum, "outer_comm_dtype": o.outer_comm_dtype, "syncs": self.syncs,
-                "torchft": replicas.TORCHFT_VERSION}
+                "torchft": ft.TORCHFT_VERSION}
 
 
 SPEC = TierSpec(name="diloco", summary="torchft DiLoCo: replica groups sync every H steps (outer Nesterov step)",
                 options=Options, validate=validate, strategy=Strategy, launcher="ft", preflight=preflight,
-                replicas=replicas.plan, choices={"network": replicas.NETWORKS, "outer_comm_dtype": COMM_DTYPES})
+                replicas=ft.plan, choices={"network": ft.NETWORKS, "outer_comm_dtype": COMM_DTYPES})

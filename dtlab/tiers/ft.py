@@ -39,35 +39,35 @@ from dtlab.core.data import Dataset
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
 from dtlab.core.failures import NoPeerToRecover
+from dtlab.core.ft import identity
+from dtlab.core.ft import timeouts as replica_timeouts
 from dtlab.core.job import OptimizerFactory, optimizer_params
 from dtlab.core.registry import ReplicaPlan, TierSpec
-from dtlab.core.replica import identity
-from dtlab.core.replica import timeouts as replica_timeouts
 from dtlab.instrument.recorder import tagged
-from dtlab.tiers.parts import base, replicas
+from dtlab.tiers.parts import base, ft  # the replica groups ft and diloco share
 
 __all__ = ["Options", "SPEC", "Strategy", "plan", "validate"]
 
 
 @dataclass(frozen=True)
-class Options(replicas.ReplicaOptions):
-    """Replica groups (see ``dtlab.tiers.parts.replicas.ReplicaOptions``) that average gradients every step.
+class Options(ft.ReplicaOptions):
+    """Replica groups (see ``dtlab.tiers.parts.ft.ReplicaOptions``) that average gradients every step.
 
     ``timeouts``: how fast a dead group is noticed -- ``"tuned"`` (dtlab's: 300 ms without heartbeats,
     beats every 50 ms) or ``"torchft"`` (torchft 0.2.0's defaults: 5000 ms, every 100 ms); both in full in
-    ``dtlab.core.replica.TIMEOUTS``.
+    ``dtlab.core.ft.TIMEOUTS``.
     """
 
     timeouts: str = "tuned"
 
 
 def validate(cfg: RunConfig) -> None:
-    replicas.validate(cfg)
+    ft.validate(cfg)
     replica_timeouts(cfg.tier_options.timeouts, f"{cfg.tier} tier_options.timeouts")
 
 
 def plan(cfg: RunConfig) -> ReplicaPlan:
-    return dataclasses.replace(replicas.plan(cfg), timeouts=cfg.tier_options.timeouts)
+    return dataclasses.replace(ft.plan(cfg), timeouts=cfg.tier_options.timeouts)
 
 
 class Strategy(base.Strategy):
@@ -81,10 +81,10 @@ class Strategy(base.Strategy):
         o: Options = cfg.tier_options
         # The group's share of the global batch: ddp's split over all replicas x ranks.
         self.data_rank, self.data_world = self.ident.replica * info.world_size + info.rank, cfg.world_size
-        self.faults = replicas.Faults(replicas.parse_faults(o.faults, cfg.steps, o.replicas, cfg.tier), self.ident,
+        self.faults = ft.Faults(ft.parse_faults(o.faults, cfg.steps, o.replicas, cfg.tier), self.ident,
                                       info.rank)
         beat = replica_timeouts(o.timeouts).heartbeat_interval_ms
-        self.manager, self.quorums = replicas.make_manager(cfg, info, self.ident, sync_quorum=False,
+        self.manager, self.quorums = ft.make_manager(cfg, info, self.ident, sync_quorum=False,
                                                            heartbeat_interval_ms=beat)
         if info.rank == 0:  # the process is up and beats: what a restarted group's process start cost
             emit("ft_manager_ready", replica=self.ident.replica, replica_attempt=self.ident.attempt)
@@ -106,7 +106,7 @@ class Strategy(base.Strategy):
         self.manager.register_state_dict_fn("default", self._load, self._state)
         wrapped = torchft.optim.OptimizerWrapper(self.manager, self.inner)
         if self.ident.attempt == 0:
-            replicas.wait_for_all(self.manager, self.ident, self.cfg.timeout_s)  # step 0 with every group
+            ft.wait_for_all(self.manager, self.ident, self.cfg.timeout_s)  # step 0 with every group
         else:
             wrapped.zero_grad()  # the first quorum: the restarted group learns from it where the others are
         self.manager.wait_quorum()
@@ -175,7 +175,7 @@ class Strategy(base.Strategy):
     def describe(self) -> dict[str, Any]:
         return {"replica": self.ident.replica, "attempt": self.ident.attempt, "group_rank": self.info.rank,
                 "start_step": self.start_step, "healed_at": self.healed_at, "ft_steps": self.records,
-                "quorum_changes": self.quorums.changes, "torchft": replicas.TORCHFT_VERSION}
+                "quorum_changes": self.quorums.changes, "torchft": ft.TORCHFT_VERSION}
 
 
 def _ddp_class() -> type:
@@ -186,7 +186,7 @@ def _ddp_class() -> type:
     should go on. The same hook that returns the bucket once the wait is over, successful or not,
     keeps it alive; after a failure the Manager has recorded the error and does not commit the step.
     """
-    import torchft.ddp  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
+    import torchft.ddp  # lazy: torchft is an optional extra (dtlab.tiers.parts.ft)
 
     class DistributedDataParallel(torchft.ddp.DistributedDataParallel):
         @staticmethod
@@ -200,5 +200,5 @@ def _ddp_class() -> type:
 
 
 SPEC = TierSpec(name="ft", summary="torchft: replica groups average every step; a failed group rejoins from a peer",
-                options=Options, validate=validate, strategy=Strategy, launcher="ft", preflight=replicas.preflight,
-                replicas=plan, choices={"network": replicas.NETWORKS, "timeouts": ("tuned", "torchft")})
+                options=Options, validate=validate, strategy=Strategy, launcher="ft", preflight=ft.preflight,
+                replicas=plan, choices={"network": ft.NETWORKS, "timeouts": ("tuned", "torchft")})

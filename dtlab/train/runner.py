@@ -4,7 +4,7 @@ This is the one place that reaches the launchers. A tier says how its ranks
 start (``TierSpec.launcher``): ``local`` ranks from dtlab's launcher, torchrun
 agents (``TierSpec.agents``: nodes, restarts, simulated hosts), named RPC
 workers, or replica groups around torchft's lighthouse (``TierSpec.replicas``,
-``dtlab.train.replicas``). Everything that probes the machine runs here, before
+``dtlab.train.ft``). Everything that probes the machine runs here, before
 any process starts.
 """
 
@@ -25,8 +25,8 @@ from dtlab.launch.contract import Progress
 from dtlab.launch.local import launch
 from dtlab.launch.rpc import launch_rpc
 from dtlab.launch.torchrun import Node, launch_torchrun
+from dtlab.train.ft import run_replicas
 from dtlab.train.loop import train
-from dtlab.train.replicas import run_replicas
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -36,7 +36,7 @@ class Strategy:
     # Recorder channels that name this tier's calls (dtlab.instrument.channels): "modules", "ddp_buckets"
     comm_channels: tuple[str, ...] = ()
     # True: every rank returns its parameters, not rank 0 alone, so that a run of replica groups can check that
-    # every rank of every group ended with the same ones (dtlab.train.replicas.replica_agreement)
+    # every rank of every group ended with the same ones (dtlab.train.ft.replica_agreement)
     params_on_every_rank = False
 
     def __init__(self, cfg: RunConfig, info: DistInfo) -> None:

@@ -47,7 +47,7 @@ class QuantisedManager:
         return getattr(self._manager, name)
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None) -> Any:
-        from torchft.work import _DummyWork  # lazy: torchft is an optional extra (dtlab.tiers.parts.replicas)
+        from torchft.work import _DummyWork  # lazy: torchft is an optional extra (dtlab.tiers.parts.ft)
 
         manager = self._manager
         if manager.errored():

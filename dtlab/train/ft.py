@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from dtlab.core.config import RunConfig
+from dtlab.core.ft import timeouts as replica_timeouts
 from dtlab.core.registry import ReplicaPlan
-from dtlab.core.replica import timeouts as replica_timeouts
 from dtlab.core.results import RankResult, RunResult, max_param_diff, params_from_bytes
 from dtlab.launch import netns
 from dtlab.launch.contract import Progress

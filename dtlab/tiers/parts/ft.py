@@ -26,8 +26,8 @@ from typing import Any
 from dtlab.core.config import RunConfig
 from dtlab.core.env import DistInfo
 from dtlab.core.events import emit
+from dtlab.core.ft import HEARTBEAT_INTERVAL_MS, ReplicaIdentity
 from dtlab.core.registry import ReplicaPlan
-from dtlab.core.replica import HEARTBEAT_INTERVAL_MS, ReplicaIdentity
 from dtlab.instrument.recorder import tag_methods
 
 __all__ = ["FAULT_KINDS", "INSTALL", "NETWORKS", "Fault", "Faults", "QuorumLog", "ReplicaOptions", "make_manager",
