@@ -22,10 +22,12 @@ def test_every_quoted_block_agrees_with_its_committed_result():
 @pytest.mark.parametrize(("page", "names"), [
     ("README.md", {"recording-cost-line", "width-sweep", "width-sweep-predictions", "ft-recovery", "diloco-link",
                    "costmodel-error", "planner-validation", "demo-compare",
-                   "link-sweep"}),
+                   "link-sweep", "goodput"}),
     ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs", "ft-recovery-table",
                              "ft-without-faults", "ft-break-even", "diloco-link", "diloco-link-table",
-                             "costmodel-error", "costmodel-error-table", "demo-compare-table"}),
+                             "costmodel-error", "costmodel-error-table", "demo-compare-table", "goodput-table",
+                             "goodput-findings", "goodput-checkpoint", "goodput-projection"}),
+    ("docs/troubleshooting.md", {"busy-notebooks"}),
     ("notebooks/01_single_device.ipynb", {"recording-cost"}),
     ("notebooks/11_compare.ipynb", {"recording-cost", "width-sweep"}),
 ])

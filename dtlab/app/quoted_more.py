@@ -1,7 +1,7 @@
-"""More texts the pages quote (``dtlab.app.quoted`` registers them in ``QUOTES``): goodput over a long run.
+"""More texts the pages quote (``dtlab.app.quoted`` registers them in ``QUOTES``): goodput, busy notebooks.
 
-Each function reads ``docs/figures/goodput.csv`` (``python -m dtlab.experiments.goodput``) under the checkout's
-root it is given and computes what the pages say of it with the experiment's own functions.
+Each function reads a result under ``docs/figures/`` beneath the checkout's root it is given; goodput's are
+computed with the experiment's own functions (``python -m dtlab.experiments.goodput``).
 """
 
 from __future__ import annotations
@@ -127,7 +127,22 @@ def goodput_projection(root: Path) -> str:
             f"its overhead per step stays under **{100 * _overhead(root):.1f} %**")
 
 
+BUSY = Path("docs/figures/busy_notebooks.csv")
+
+
+def busy_notebooks(root: Path) -> str:
+    """One line: the notebooks run beside CPU hogs (``python -m dtlab.app.busy``): passed, slowest, summed."""
+    runs = pd.read_csv(root / BUSY)
+    slowest = runs.loc[runs["seconds"].idxmax()]
+    number, name = str(slowest["notebook"]).split("_", 1)
+    passed = "all" if runs["passed"].all() else f"{int(runs['passed'].sum())} of"
+    return (f"load average {runs['load_1min'].min():.1f} to {runs['load_1min'].max():.1f} as the notebooks ended: "
+            f"{passed} {len(runs)} notebooks passed, the slowest in {slowest['seconds']:.0f} s ({number}, "
+            f"{name.replace('_', ' ')}), {runs['seconds'].sum():,.0f} s summed over the notebooks")
+
+
 MORE: dict[str, Callable[[Path], str]] = {
+    "busy-notebooks": busy_notebooks,
     "goodput": goodput,
     "goodput-checkpoint": goodput_checkpoint,
     "goodput-findings": goodput_findings,
