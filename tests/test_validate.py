@@ -119,6 +119,16 @@ def test_the_attention_and_mlp_columns_change_the_prediction(tmp_path):
     assert named == flash and runs[3].model.flash_attention  # a name is a name
 
 
+def test_an_empty_attention_is_unpublished_taken_as_the_stated_default_and_said(tmp_path):
+    pinned = {**GOOD, "micro_batch": "4"}
+    runs = R.read_runs(_write(tmp_path / "runs.csv", [pinned, {**pinned, "attention": ""}]))
+    assert runs[0].attention_published and not runs[1].attention_published
+    assert runs[1].model.flash_attention is (R.ATTENTION[R.ATTENTION_DEFAULT])
+    stated, taken = V.predict(runs[0]), V.predict(runs[1])
+    assert taken["predicted"] == stated["predicted"] and stated["note"] == ""
+    assert taken["note"] == f"attention not published: taken as {R.ATTENTION_DEFAULT}"
+
+
 @pytest.mark.parametrize("column,value,why", [
     ("tp", "two", "is not an integer >= 1"),
     ("gpu", "V100", "is not one of H100_SXM, H200_SXM, A100_80GB"),
@@ -131,7 +141,7 @@ def test_the_attention_and_mlp_columns_change_the_prediction(tmp_path):
     ("zero", "4", "is not a ZeRO stage 0-3"),
     ("micro_batch", "0", "is not an integer >= 1"),
     ("source", "", "is empty"),
-    ("attention", "fused", "is not one of flash, materialised"),
+    ("attention", "fused", "is not one of flash, materialised (or empty: not published, taken as flash)"),
     ("mlp", "", "is empty"),
     ("mlp", "swiglu", "is not one of gated, plain"),
 ])

@@ -8,7 +8,8 @@ planner would advise a user: the fastest that fits in the GPU's memory by its ow
 every choice that fits is reported beside it (``low``, ``high``). A run with unpublished choices of which
 none fits is reported so (``scored`` False, no prediction): the planner would not advise it, so it cannot be
 said to predict it. A run whose layout is published in full is predicted at that layout whatever the memory
-model says (``fits`` tells), since nothing is chosen for it.
+model says (``fits`` tells), since nothing is chosen for it. An unpublished attention implementation is no
+layout choice: the loader takes ``runs.ATTENTION_DEFAULT`` and the row's ``note`` says so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 from typing import Any
 
 from dtlab.cost.planner.layout import Layout, check_layout, divisors
-from dtlab.cost.planner.runs import Run
+from dtlab.cost.planner.runs import ATTENTION_DEFAULT, Run
 from dtlab.cost.planner.search import evaluate
 
 __all__ = ["candidates", "metric_value", "predict", "unpublished"]
@@ -87,6 +88,8 @@ def predict(run: Run) -> dict[str, Any]:
         row, scored = min(rows, key=lambda r: r["peak_bytes"]), False
         note = (f"not scored: none of the {len(rows)} choices of {' and '.join(unpublished(run))} fits "
                 f"(the smallest needs {row['peak_bytes'] / 1e9:.1f} GB of {gb:.0f})")
+    if not run.attention_published:  # said beside the prediction: an assumption, not a choice searched over
+        note = "; ".join(filter(None, [f"attention not published: taken as {ATTENTION_DEFAULT}", note]))
     predicted = metric_value(run, row) if scored else math.nan
     if not unpublished(run):
         values = [predicted]  # nothing was chosen: no range

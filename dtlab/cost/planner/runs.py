@@ -7,14 +7,16 @@ One row per run, these columns in this order (``SCHEMA``)::
 
 ``experts`` is 0 for a dense model; ``mlp`` gated (SwiGLU: three matrices) or plain (two, GPT's);
 ``attention`` flash (the ``s x s`` scores never leave the chip) or materialised (written to memory,
-softmaxed and read back: Megatron-LM before 2022, before FlashAttention); ``gpu`` a cluster preset's
+softmaxed and read back: Megatron-LM before 2022, before FlashAttention), empty where the source does not
+say (taken as ``ATTENTION_DEFAULT``, flash, and ``Run.attention_published`` is False); ``gpu`` a cluster preset's
 GPU (``A100_80GB``, ``H100_SXM``, ``H200_SXM``), whose preset also gives the network; ``recompute``
 none, selective or full; ``micro_batch`` and ``interleave`` may be empty (the source did not publish
 them: ``planner.prediction.predict`` then takes what the planner would advise, its fastest choice that fits, and
 gives the range over every choice that fits); ``precision`` bf16, fp16 (the same 16-bit mixed
 precision to the planner) or fp32; ``metric`` one of ``METRICS`` and ``value`` the published figure
 (``mfu`` as a fraction). Every switch the step model branches on is a column: nothing is read from a
-name.
+name. What only counts parameters (the norm's bias, the Linears' biases, a position table, a head tied to the
+embedding) is not a column: a row's block is counted as Llama's (RMSNorm, no biases, rotary, untied).
 
 ``read_runs(path)`` returns the rows as ``Run`` objects, or raises ValueError in one line naming the
 row and the column of the first bad value.
@@ -31,13 +33,16 @@ from dtlab.cost.planner.clusters import BY_GPU, Cluster, by_gpu
 from dtlab.cost.planner.layout import Layout
 from dtlab.cost.planner.transformer import RECOMPUTE, TransformerSpec
 
-__all__ = ["ATTENTION", "METRICS", "MLPS", "PRECISIONS", "SCHEMA", "Run", "read_runs"]
+__all__ = ["ATTENTION", "ATTENTION_DEFAULT", "METRICS", "MLPS", "PRECISIONS", "SCHEMA", "Run", "read_runs"]
 
 SCHEMA = ("source", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k",
           "mlp", "attention", "gpu", "gpus", "tp", "pp", "dp", "cp", "ep", "interleave", "zero", "recompute",
           "micro_batch", "global_batch", "precision", "metric", "value")
 MLPS = {"gated": True, "plain": False}  # -> TransformerSpec.gated_mlp
 ATTENTION = {"flash": True, "materialised": False}  # -> TransformerSpec.flash_attention
+# an empty attention cell: what current training stacks run unless told otherwise (PyTorch's
+# scaled_dot_product_attention dispatches to a fused kernel), and what the planner would advise
+ATTENTION_DEFAULT = "flash"
 METRICS = ("tflops_per_gpu_hw", "tflops_per_gpu_model", "tokens_per_s_per_gpu", "mfu")
 PRECISIONS = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}
 _POSITIVE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "gpus", "tp", "pp", "dp", "cp", "ep",
@@ -60,6 +65,7 @@ class Run:
     global_batch: int
     metric: str
     value: float
+    attention_published: bool = True  # False: the attention cell was empty, ATTENTION_DEFAULT taken
 
     @property
     def label(self) -> str:
@@ -75,12 +81,13 @@ class _Row:
     def fail(self, column: str, why: str) -> ValueError:
         return ValueError(f"{self.where}, column {column}: {self.fields.get(column, '')!r} {why}")
 
-    def text(self, column: str, choices: Any = None) -> str:
-        value = (self.fields.get(column) or "").strip()
+    def text(self, column: str, choices: Any = None, default: str = "") -> str:
+        value = (self.fields.get(column) or "").strip() or default
         if not value:
             raise self.fail(column, "is empty")
         if choices is not None and value not in choices:
-            raise self.fail(column, f"is not one of {', '.join(choices)}")
+            empty = f" (or empty: not published, taken as {default})" if default else ""
+            raise self.fail(column, f"is not one of {', '.join(choices)}{empty}")
         return value
 
     def integer(self, column: str, low: int = 1, empty_ok: bool = False) -> int | None:
@@ -110,7 +117,8 @@ def _spec(row: _Row) -> TransformerSpec:
     experts, top_k = row.integer("experts", 0), row.integer("top_k", 0)
     if experts == 1:
         raise row.fail("experts", "is 1: write 0 for a dense model, or the number of experts (>= 2)")
-    gated, flash = MLPS[row.text("mlp", tuple(MLPS))], ATTENTION[row.text("attention", tuple(ATTENTION))]
+    gated = MLPS[row.text("mlp", tuple(MLPS))]
+    flash = ATTENTION[row.text("attention", tuple(ATTENTION), ATTENTION_DEFAULT)]
     try:
         return TransformerSpec(row.text("model"), **ints,  # type: ignore[arg-type]
                                gated_mlp=gated, experts=max(1, experts or 1), top_k=max(1, top_k or 1),
@@ -137,7 +145,8 @@ def _run(index: int, row: _Row) -> Run:
                     PRECISIONS[row.text("precision", tuple(PRECISIONS))], ep, cp, interleave or 1,
                     "interleaved" if (interleave or 1) > 1 else "1f1b")
     return Run(index, row.text("source"), spec, by_gpu(gpu), gpu, gpus, layout, micro, interleave,
-               row.integer("global_batch") or 1, row.text("metric", METRICS), row.number("value"))
+               row.integer("global_batch") or 1, row.text("metric", METRICS), row.number("value"),
+               bool((row.fields.get("attention") or "").strip()))
 
 
 def _header(path: Path, header: list[str]) -> None:
