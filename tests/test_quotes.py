@@ -149,3 +149,17 @@ def test_a_number_typed_by_hand_is_named_and_a_quoted_or_allowed_one_is_not(hous
         ["README.md: 1.78×", "README.md: 4.2 ms", "README.md: 0.516", "README.md: 4.5e-14",
          "notebooks/11_compare.ipynb: 12 %"])
     assert found["notebooks/11_compare.ipynb: 12 % | 12 % of the step"] == "cell 0 line 2"
+
+
+def test_the_fresh_clone_line_reads_the_last_clone_and_says_whether_the_suite_kept_its_aim(tmp_path):
+    from dtlab.app import quoted_more
+
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    rows = ("date,commit,command,seconds,exit_code\n2026-01-01,aaa,make demo,400,0\n2026-01-01,aaa,make test,3000,0\n"
+            "2026-01-02,bbb,make demo,290,0\n2026-01-02,bbb,make test,1100,{code}\n")
+    (tmp_path / quoted_more.FRESH_CLONE).write_text(rows.format(code=0))
+    line = quoted_more.fresh_clone(tmp_path)
+    assert line.startswith("in a fresh clone of bbb on 2026-01-02, `make demo` took 5 minutes (290 s")
+    assert "`make test` 18 minutes (1,100 s, within the suite's aim of 20 minutes)" in line
+    (tmp_path / quoted_more.FRESH_CLONE).write_text(rows.format(code=2))
+    assert quoted_more.fresh_clone(tmp_path).endswith("; failed: make test")

@@ -1,4 +1,5 @@
-"""More texts the pages quote (``dtlab.app.quoted`` registers them in ``QUOTES``): goodput, busy notebooks.
+"""More texts the pages quote (``dtlab.app.quoted`` registers them in ``QUOTES``): goodput, busy notebooks, the
+fresh clone's timings.
 
 Each function reads a result under ``docs/figures/`` beneath the checkout's root it is given; goodput's are
 computed with the experiment's own functions (``python -m dtlab.experiments.goodput``).
@@ -141,8 +142,27 @@ def busy_notebooks(root: Path) -> str:
             f"{name.replace('_', ' ')}), {runs['seconds'].sum():,.0f} s summed over the notebooks")
 
 
+FRESH_CLONE = Path("docs/figures/fresh_clone.csv")
+SUITE_AIM_S = 20 * 60  # the suite's aim on 2 cores
+
+
+def fresh_clone(root: Path) -> str:
+    """One line: the last fresh clone's ``make demo`` and ``make test`` (``tools: fresh-clone-check``), against
+    the suite's aim; every earlier clone stays a row of the file."""
+    runs = pd.read_csv(root / FRESH_CLONE)
+    last = runs[runs["commit"] == runs["commit"].iloc[-1]].set_index("command")
+    demo, test = last.loc["make demo"], last.loc["make test"]
+    aim = "within" if test["seconds"] <= SUITE_AIM_S else "over"
+    failed = [c for c, row in last.iterrows() if row["exit_code"] != 0]
+    return (f"in a fresh clone of {demo['commit']} on {demo['date']}, `make demo` took "
+            f"{demo['seconds'] / 60:.0f} minutes ({demo['seconds']:,.0f} s, installation included) and `make test` "
+            f"{test['seconds'] / 60:.0f} minutes ({test['seconds']:,.0f} s, {aim} the suite's aim of "
+            f"{SUITE_AIM_S // 60} minutes)" + (f"; failed: {', '.join(failed)}" if failed else ""))
+
+
 MORE: dict[str, Callable[[Path], str]] = {
     "busy-notebooks": busy_notebooks,
+    "fresh-clone": fresh_clone,
     "goodput": goodput,
     "goodput-checkpoint": goodput_checkpoint,
     "goodput-findings": goodput_findings,
