@@ -20,7 +20,7 @@ import torch
 from dtlab.core.quantise import encoded_bytes
 from dtlab.core.results import RunResult
 from dtlab.tiers import ddp, fsdp
-from dtlab.tiers.parts import ddp_hooks
+from dtlab.tiers.parts import ddp_knobs
 from dtlab.train import run
 from tests.parity import job, single
 
@@ -92,8 +92,8 @@ def test_the_recorded_bytes_are_the_codes(tier, n, gather, reduce):
 
 def test_fp32_takes_the_collectives_it_took_before():
     """fp32 keeps DDP's built-in all-reduce (no hook) and FSDP2's own collectives (see the mixed cases above)."""
-    assert ddp_hooks.comm_hook(ddp.Options()) == (None, None)
-    assert ddp_hooks.comm_hook(ddp.Options(comm_dtype="int8"))[1] is not None
+    assert ddp_knobs.comm_hook(ddp.Options()) == (None, None)
+    assert ddp_knobs.comm_hook(ddp.Options(comm_dtype="int8"))[1] is not None
 
 
 def test_fsdp_runs_on_simulated_hosts_for_the_slow_link_measurement(nothing_left):

@@ -28,28 +28,15 @@ from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.buckets import bucket_layout, comm_buffer_bytes
 from dtlab.instrument.recorder import tag_ddp_hook
-from dtlab.tiers.parts import base, checkpoint, ddp_hooks
-from dtlab.tiers.parts.ddp_hooks import COMM_HOOKS
+from dtlab.tiers.parts import base, checkpoint, ddp_knobs
+from dtlab.tiers.parts.ddp_knobs import COMM_HOOKS, BucketOptions
 from dtlab.tiers.parts.syncbn import sync_batchnorm
 
 __all__ = ["BucketOptions", "COMM_HOOKS", "Options", "SPEC", "Strategy", "validate"]
 
 
 @dataclass(frozen=True)
-class BucketOptions:
-    """DDP's own knobs: every DDP-based tier has them."""
-
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    accumulation_steps: int = 1  # micro-batches per step; all but the last under no_sync()
-    comm_hook: str = "allreduce"
-    powersgd_rank: int = 1
-    sync_batchnorm: bool = False
-    broadcast_buffers: bool = True
-
-
-@dataclass(frozen=True)
-class Options(checkpoint.Knobs, BucketOptions):  # DDP's knobs, then the checkpoint's (dtlab.tiers.parts.checkpoint)
+class Options(checkpoint.Knobs, BucketOptions):  # DDP's knobs (parts.ddp_knobs), then the checkpoint's
     # Quantised gradients (dtlab.core.quantise): fp32 is DDP's own all-reduce; bf16, int8 and fp8 are gathered as
     # codes with a float32 scale per comm_block elements and summed in float32 on every rank
     comm_dtype: str = "fp32"
@@ -58,17 +45,8 @@ class Options(checkpoint.Knobs, BucketOptions):  # DDP's knobs, then the checkpo
 
 def validate(cfg: RunConfig) -> None:
     """DDP's knobs (every DDP-based tier calls this), and the checkpoint options where the tier has them."""
-    o = cfg.tier_options
-    name = f"{cfg.tier} tier_options"
-    if not o.bucket_cap_mb > 0:
-        raise ValueError(f"{name}.bucket_cap_mb={o.bucket_cap_mb!r} is invalid: must be > 0 MB")
-    if not isinstance(o.accumulation_steps, int) or o.accumulation_steps < 1:
-        raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps!r} is invalid: must be an integer >= 1")
-    if cfg.per_rank_batch % o.accumulation_steps:
-        raise ValueError(f"{name}.accumulation_steps={o.accumulation_steps} is invalid: it must divide the "
-                         f"per-rank batch ({cfg.global_batch_size} / {cfg.world_size} = {cfg.per_rank_batch})")
-    ddp_hooks.check(cfg, o, name)
-    if isinstance(o, checkpoint.Knobs):
+    ddp_knobs.check(cfg, cfg.tier_options, f"{cfg.tier} tier_options")
+    if isinstance(cfg.tier_options, checkpoint.Knobs):
         checkpoint.validate_knobs(cfg, saves_muon=False)
 
 
@@ -94,7 +72,7 @@ class Strategy(base.Strategy):
             model, device_ids=device_ids, bucket_cap_mb=self.options.bucket_cap_mb,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view, **extra,
         )
-        state, hook = ddp_hooks.comm_hook(self.options)
+        state, hook = ddp_knobs.comm_hook(self.options)
         self.hook_state = state
         if hook is not None:  # its calls are tagged with their bucket (a recorder sees them as any other)
             self.ddp.register_comm_hook(state, tag_ddp_hook(hook))
