@@ -26,8 +26,13 @@ def _kinds(result):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
-    return dtlab.run(_cfg(), progress=False)
+def snapshots(tmp_path_factory):
+    return tmp_path_factory.mktemp("snapshots")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(snapshots):
+    return dtlab.run(_cfg(snapshot_dir=str(snapshots)), progress=False)
 
 
 def test_uninterrupted_elastic_run_matches_single(uninterrupted):
@@ -37,22 +42,17 @@ def test_uninterrupted_elastic_run_matches_single(uninterrupted):
     assert [e["step"] for e in uninterrupted.run_events if e["kind"] == "snapshot"] == [5, 10, 15, 20]
 
 
-def test_exception_fault_restarts_and_loses_nothing_bitwise(uninterrupted):
-    result = dtlab.run(_cfg(faults=("exception:12:0",)), progress=False)
-    assert result.max_param_diff(uninterrupted) == 0.0
-    resumes = [e for e in result.run_events if e["kind"] == "resume"]
-    assert {e["step"] for e in resumes} == {10} and {e["attempt"] for e in resumes} == {1}
-    errors = [e for e in result.run_events if e["kind"] == "worker_error" and e["rank"] == 0]
-    assert "injected fault 0" in errors[0]["message"]
-
-
-def test_repeated_sigkill_restarts_reliably_and_bitwise(uninterrupted):
-    # Three kills in one run, on different ranks: each attempt must re-rendezvous and resume.
-    result = dtlab.run(_cfg(faults=("sigkill:3:1", "sigkill:8:0", "sigkill:13:1")), progress=False)
+def test_repeated_faults_restart_reliably_and_bitwise(uninterrupted):
+    # Three faults in one run, on different ranks, a raised exception between two kills: each attempt must
+    # re-rendezvous and resume from the last snapshot.
+    result = dtlab.run(_cfg(faults=("sigkill:3:1", "exception:8:0", "sigkill:13:1")), progress=False)
     assert result.max_param_diff(uninterrupted) == 0.0
     assert [e["step"] for e in result.run_events if e["kind"] == "fault"] == [3, 8, 13]
     assert sorted({e["attempt"] for e in result.run_events if e["kind"] == "worker_start"}) == [0, 1, 2, 3]
     assert [e["step"] for e in result.run_events if e["kind"] == "resume" and e["rank"] == 0] == [5, 10]
+    errors = [e for e in result.run_events if e["kind"] == "worker_error" and e["rank"] == 0]
+    assert [e["message"] for e in errors if "injected" in e["message"]] == [
+        "injected fault 1: exception on rank 0 at step 8"]
 
 
 def test_simulated_oom_halves_the_micro_batch_and_keeps_the_training(uninterrupted):
@@ -71,19 +71,11 @@ def test_failure_beyond_max_restarts_is_reported_and_leaves_no_process():
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-def test_snapshot_is_atomic_and_loads_with_weights_only(tmp_path):
-    result = dtlab.run(_cfg(snapshot_dir=str(tmp_path), snapshot_every=10), progress=False)
-    snap = torch.load(tmp_path / elastic.SNAPSHOT, weights_only=True)
+def test_snapshot_is_atomic_and_loads_with_weights_only(uninterrupted, snapshots):
+    snap = torch.load(snapshots / elastic.SNAPSHOT, weights_only=True)
     assert snap["step"] == 20 and {"model", "optimizer", "rng", "sampler"} <= set(snap)
-    assert not list(tmp_path.glob("*.tmp"))
-    assert result.ranks[0].strategy["snapshots"] == [10, 20]
-
-
-def test_dcp_snapshots_resume_after_a_kill(uninterrupted, tmp_path):
-    result = dtlab.run(_cfg(snapshot_format="dcp", snapshot_dir=str(tmp_path), faults=("sigkill:7:1",)),
-                       progress=False)
-    assert result.max_param_diff(uninterrupted) <= 1e-6
-    assert (tmp_path / "step-00000005" / ".metadata").exists()
+    assert not list(snapshots.glob("*.tmp"))
+    assert uninterrupted.ranks[0].strategy["snapshots"] == [5, 10, 15, 20]
 
 
 def test_bad_elastic_input_fails_before_start(tmp_path):
@@ -116,12 +108,13 @@ def test_timeline_frame_orders_the_events(uninterrupted):
     assert os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") is None  # set for the agents only
 
 
-def test_sigkill_at_world_size_4_loses_nothing():
+def test_sigkill_at_world_size_4_resumes_from_dcp_snapshots_and_loses_nothing(tmp_path):
     job = {**BASE, "world_size": 4, "steps": 10, "global_batch_size": 64}
     clean = dtlab.run(RunConfig(tier="elastic", **job, tier_options=elastic.Options()), progress=False)
-    killed = dtlab.run(RunConfig(tier="elastic", **job, tier_options=elastic.Options(faults=("sigkill:7:2",))),
-                       progress=False)
-    assert killed.max_param_diff(clean) <= 1e-6
+    dcp = elastic.Options(faults=("sigkill:7:2",), snapshot_format="dcp", snapshot_dir=str(tmp_path))
+    killed = dtlab.run(RunConfig(tier="elastic", **job, tier_options=dcp), progress=False)
+    assert killed.max_param_diff(clean) <= 1e-6  # DCP's snapshot against the clean run's torch.save ones
+    assert (tmp_path / "step-00000005" / ".metadata").exists()
     assert [e["step"] for e in killed.run_events if e["kind"] == "resume" and e["rank"] == 0] == [5]
     assert len(killed.ranks) == 4
 
