@@ -32,6 +32,24 @@ def test_a_failed_benchmark_names_its_last_output_lines(tmp_path, monkeypatch):
         run_all(tmp_path / "out", quick=True)
 
 
+def test_a_smoke_group_runs_every_script_in_one_interpreter_and_names_each_ones_failure(tmp_path, monkeypatch):
+    # one interpreter for the three (the pid each writes), an exception and an exit code each kept to its script
+    made = []
+    for name, body in (("a_raises", "raise RuntimeError('a is broken')"), ("b_exits", "sys.exit(3)"),
+                       ("c_works", "print('c: measured 1.5 (target none)')")):
+        script = tmp_path / f"{name}.py"
+        script.write_text(f"import os, sys\nprint('pid', os.getpid(), sys.argv[1:])\n{body}\n")
+        made.append(script)
+    monkeypatch.setattr("dtlab.app.bench.scripts", lambda only=None: made)
+    with pytest.raises(RuntimeError) as failed:
+        run_all(tmp_path / "out", quick=True, jobs=1)
+    assert "a_raises (exit 1;" in str(failed.value) and "RuntimeError: a is broken" in str(failed.value)
+    assert "b_exits (exit 3;" in str(failed.value) and "c_works" not in str(failed.value)
+    logs = [(tmp_path / "out" / f"{s.stem}.log").read_text() for s in made]
+    assert len({log.split()[1] for log in logs}) == 1  # the same pid
+    assert all(f"['--out', '{tmp_path / 'out'}', '--quick']" in log for log in logs)
+
+
 def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     rows = run_all(tmp_path, quick=True)
     assert {r["script"] for r in rows} == {p.stem for p in scripts()}

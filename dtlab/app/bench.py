@@ -9,12 +9,14 @@ each other's timings), parses those lines and writes ``summary.csv`` and
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,25 +52,29 @@ def run_all(out: Path, quick: bool = False, only: list[str] | None = None,
             jobs: int | None = None) -> list[dict[str, str]]:
     """Run the benchmarks; raises RuntimeError naming any that failed, after running the rest.
 
-    ``jobs``: how many scripts run at once. A measurement runs alone (1, the default of a full run); a quick
-    smoke run only checks that each script works, so it runs two at once (its numbers are not measurements
-    either way), which halves the time of a mostly process-start-bound job.
+    ``jobs``: how many scripts run at once. A measurement runs alone (1, the default of a full run), each
+    script in a fresh process; a quick smoke run only checks that each script works, so it runs two at once
+    (its numbers are not measurements either way), each of the two an interpreter that runs script after
+    script (``dtlab.app.bench_group``): Python, torch and the forkserver start twice, not once a script.
     """
     out.mkdir(parents=True, exist_ok=True)
     jobs = jobs or (2 if quick else 1)
     rows, failed = [], []
     todo = scripts(only)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        done = [pool.submit(_run_script, script, out, quick) for script in todo]
-        for script, future in zip(todo, done):  # reported in order, whichever finished first
-            proc = future.result()
-            found = parse(proc.stdout)
-            for row in found:
-                print(f"   {row['name']}: {row['value']} (target {row['target']}){row['verdict'] or ''}", flush=True)
-            if proc.returncode != 0 or not found:
-                failed.append(f"{script.stem} (exit {proc.returncode}; see {out / (script.stem + '.log')}; "
-                              f"it ended:\n{_tail(proc.stdout + proc.stderr)})")
-            rows += [{"script": script.stem, **row} for row in found]
+    if quick:
+        finished = _run_grouped(todo, out, jobs)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            finished = dict(zip(todo, pool.map(lambda script: _run_script(script, out, quick), todo)))
+    for script in todo:  # reported in order, whichever finished first
+        proc = finished[script]
+        found = parse(proc.stdout)
+        for row in found:
+            print(f"   {row['name']}: {row['value']} (target {row['target']}){row['verdict'] or ''}", flush=True)
+        if proc.returncode != 0 or not found:
+            failed.append(f"{script.stem} (exit {proc.returncode}; see {out / (script.stem + '.log')}; "
+                          f"it ended:\n{_tail(proc.stdout + proc.stderr)})")
+        rows += [{"script": script.stem, **row} for row in found]
     write_summary(out, rows, quick)
     if failed:
         raise RuntimeError("benchmarks failed: " + ", ".join(failed))
@@ -78,6 +84,56 @@ def run_all(out: Path, quick: bool = False, only: list[str] | None = None,
 def _tail(text: str, lines: int = 15) -> str:
     """The last lines of a failed script's output, so a failure names its cause where only the error is kept."""
     return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
+
+
+def _run_grouped(todo: list[Path], out: Path, jobs: int) -> dict[Path, subprocess.CompletedProcess]:
+    """Each script run by one of ``jobs`` group interpreters, handed out as each group finishes its last."""
+    queue = list(todo)
+    lock = threading.Lock()
+    finished: dict[Path, subprocess.CompletedProcess] = {}
+
+    def group() -> None:
+        cmd = [sys.executable, "-m", "dtlab.app.bench_group", str(out)]
+        with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=BENCH_DIR.parent) as proc:
+            while True:
+                with lock:
+                    script = queue.pop(0) if queue else None
+                if script is None:
+                    break
+                print(f"== {script.stem}", flush=True)
+                try:
+                    proc.stdin.write(f"{script}\n")
+                    proc.stdin.flush()
+                except BrokenPipeError:  # this group has ended: the others take its script
+                    with lock:
+                        queue.insert(0, script)
+                    break
+                code = _status(proc, script.stem)
+                log = out / f"{script.stem}.log"
+                text = log.read_text(errors="replace") if log.exists() else ""
+                finished[script] = subprocess.CompletedProcess(cmd, code, stdout=text, stderr="")
+                if code == -1:
+                    break
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+    threads = [threading.Thread(target=group, name=f"bench-group-{i}") for i in range(min(jobs, len(todo)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lost = [s for s in todo if s not in finished]  # a group that died took its script with it
+    for script in lost:
+        finished[script] = subprocess.CompletedProcess([], -1, stdout="", stderr="its group's interpreter ended")
+    return finished
+
+
+def _status(proc: subprocess.Popen, name: str) -> int:
+    """The exit code the group reports for ``name``; -1 where the group ended first."""
+    for line in proc.stdout:
+        if line.startswith(f"bench_group: {name} exit "):
+            return int(line.rsplit(" ", 1)[1])
+    return -1
 
 
 def _run_script(script: Path, out: Path, quick: bool) -> subprocess.CompletedProcess:
