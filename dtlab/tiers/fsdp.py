@@ -26,7 +26,6 @@ small as a node, and only each rank's gradient shard crosses between groups.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +41,9 @@ from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.gathered import GatheredBytes
+from dtlab.instrument.channels import declare_fsdp
 from dtlab.tiers.parts import base, checkpoint, fsdp_muon
-from dtlab.tiers.parts.fsdp_comms import check_comm_options, record_comms
+from dtlab.tiers.parts.fsdp_comms import check_comm_options, install_comms
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
 __all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "shard_units", "validate"]
@@ -121,12 +120,10 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
-               gathering: Callable[[str], None] = lambda unit: None) -> dict[nn.Module, str]:
+def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str) -> dict[nn.Module, str]:
     """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters; 2-D:
-    replicate x shard, HSDP), their collectives labelled ``fsdp:<pass>:<unit>`` for the recorder (and quantised
-    where ``options`` ask). Returns each sharded module's unit name; ``gathering(unit)`` is called before each
-    all-gather."""
+    replicate x shard, HSDP), their collectives quantised where ``options`` ask and the units declared to the
+    instrument layer's FSDP channels (``declare_fsdp``). Returns each sharded module's unit name."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = MIXED_PRECISION[options.mixed_precision]
@@ -149,19 +146,15 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
     for _, unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)  # always: the root schedules the others
-    passes = {"now": "forward"}  # which pass a unit's all-gather serves (its label)
-    record_comms(named, passes, gathering, hsdp=mesh.ndim == 2,
-                 gather_dtype=getattr(options, "gather_comm_dtype", "fp32"),
-                 reduce_dtype=getattr(options, "reduce_comm_dtype", "fp32"), block=getattr(options, "comm_block", 128))
-    # prepend: before FSDP's own root pre-forward hook, which gathers the root unit; whatever is gathered
-    # after the forward, until the next, serves the backward
-    model.register_forward_pre_hook(lambda *_: passes.update(now="forward"), prepend=True)
-    model.register_forward_hook(lambda *_: passes.update(now="backward"))
+    install_comms(named, gather_dtype=getattr(options, "gather_comm_dtype", "fp32"),
+                  reduce_dtype=getattr(options, "reduce_comm_dtype", "fp32"), block=getattr(options, "comm_block", 128))
+    declare_fsdp(model, named, dtype, hsdp=mesh.ndim == 2)
     return named
 
 
 class Strategy(base.Strategy):
-    counts_gathered = True  # report the gathered bytes (comm_buffers): plain tensors while a unit is gathered
+    # FSDP2's collectives named by unit and pass; what each rank holds gathered, counted (comm_buffers)
+    comm_channels = ("fsdp_units", "fsdp_gathered")
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
@@ -171,7 +164,6 @@ class Strategy(base.Strategy):
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
-        self.gathered: GatheredBytes | None = None
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -182,21 +174,8 @@ class Strategy(base.Strategy):
         return self.shard(model, layout.build(self.info.device.type))
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``apply_fsdp`` over ``mesh``, counting what each rank holds gathered (``GatheredBytes``)."""
-        named = apply_fsdp(model, mesh, self.options, self.info.device.type,
-                           lambda unit: self.gathered and self.gathered.gathering(unit))
-        self.units = list(named.values())
-        if self.counts_gathered:
-            self.gathered = GatheredBytes(model, named, MIXED_PRECISION[self.options.mixed_precision])
+        self.units = list(apply_fsdp(model, mesh, self.options, self.info.device.type).values())
         return model
-
-    def on_step_start(self, step: int) -> None:
-        if self.gathered:
-            self.gathered.counting = step == self.start_step  # the first step: the peak is the same every step
-
-    def memory(self) -> dict[str, int]:
-        """``comm_buffers``: the most bytes of all-gathered parameters held at once."""
-        return {"comm_buffers": self.gathered.peak} if self.gathered and self.gathered.peak else {}
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.parts.fsdp_muon)
@@ -208,8 +187,6 @@ class Strategy(base.Strategy):
         return optimizer
 
     def on_step_end(self, step: int) -> None:
-        if self.gathered:
-            self.gathered.counting = False
         self.checkpoints.after_step(step)
 
     # -- what the loop reads back (on every rank) --------------------------------------
@@ -234,9 +211,7 @@ class Strategy(base.Strategy):
                                "mixed_precision": self.options.mixed_precision,
                                "gather_comm_dtype": getattr(self.options, "gather_comm_dtype", "fp32"),
                                "reduce_comm_dtype": getattr(self.options, "reduce_comm_dtype", "fp32"),
-                               "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate,
-                               "gathered_after_forward_bytes": self.gathered.after_forward if self.gathered else 0,
-                               "unit_bytes": dict(self.gathered.unit_bytes) if self.gathered else {}}
+                               "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate}
         return {**out, **self.checkpoints.describe()}
 
 
