@@ -35,34 +35,23 @@ from torch import nn
 from dtlab.core import muon
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
-from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
 from dtlab.instrument.channels import declare_fsdp
-from dtlab.tiers.parts import base, checkpoint, fsdp_muon
+from dtlab.tiers.parts import base, checkpoint, fsdp_knobs, fsdp_muon
 from dtlab.tiers.parts.fsdp_comms import check_comm_options, install_comms
+from dtlab.tiers.parts.fsdp_knobs import MIXED_PRECISION, UnitOptions, check_dtype
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
-__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "shard_units", "validate"]
-
-MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "UnitOptions", "apply_fsdp", "check_dtype", "shard_units",
+           "validate"]
 
 
 @dataclass(frozen=True)
-class Options:
-    # Free each unit's gathered parameters after its forward (and gather them again
-    # for backward): less memory, one more all-gather per unit and step.
-    reshard_after_forward: bool = True
-    # "bf16"/"fp16": all-gather and compute in that dtype; gradients are reduced and
-    # the sharded parameters kept in fp32.
-    mixed_precision: str = "none"
-    cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step live on the CPU
-    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
-    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
-    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+class Options(checkpoint.Knobs, UnitOptions):  # fully_shard's knobs (parts.fsdp_knobs), then the checkpoint's
     # HSDP: shard within groups of world_size / replicate ranks, replicate across the replicate groups
     replicate: int = 1
     # Quantised communication (dtlab.core.quantise): the parameters' all-gather and the gradients' reduce-scatter
@@ -80,17 +69,8 @@ def validate(cfg: RunConfig) -> None:
     except ImportError as exc:
         raise ValueError(f"the {cfg.tier} tier needs torch.distributed.fsdp.fully_shard (torch >= 2.6); "
                          f"this is torch {torch.__version__}") from exc
-    for field in ("reshard_after_forward", "cpu_offload"):
-        if not isinstance(getattr(o, field), bool):
-            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: must be True or False")
-    if o.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"{name}.mixed_precision={o.mixed_precision!r} is invalid: choose one of "
-                         f"{', '.join(MIXED_PRECISION)}")
-    check_dtype(cfg, name)
-    _, device = resolve_backend(cfg.backend, cfg.device)
-    if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
-    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+    fsdp_knobs.check(cfg, name)
+    checkpoint.validate_knobs(cfg, saves_muon=True)  # fsdp_muon.check names what muon cannot checkpoint
     if not isinstance(o.replicate, int) or isinstance(o.replicate, bool) or o.replicate < 1:
         raise ValueError(f"{name}.replicate={o.replicate!r} is invalid: must be an integer >= 1")
     if cfg.world_size % o.replicate:
@@ -99,14 +79,6 @@ def validate(cfg: RunConfig) -> None:
     check_comm_options(o, name)
     if cfg.optimizer == "muon":
         fsdp_muon.check(cfg, name)
-
-
-def check_dtype(cfg: RunConfig, name: str) -> None:
-    """Mixed precision casts to 16 bits and reduces in float32: it has no float64 version."""
-    mixed = cfg.tier_options.mixed_precision
-    if mixed != "none" and cfg.dtype != "float32":
-        raise ValueError(f"{name}.mixed_precision={mixed!r} is invalid with RunConfig.dtype={cfg.dtype!r}: it "
-                         f"computes in 16 bits and reduces in float32; use mixed_precision='none'")
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -120,7 +92,7 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str) -> dict[nn.Module, str]:
+def apply_fsdp(model: nn.Module, mesh: Any, options: UnitOptions, device_type: str) -> dict[nn.Module, str]:
     """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters; 2-D:
     replicate x shard, HSDP), their collectives quantised where ``options`` ask and the units declared to the
     instrument layer's FSDP channels (``declare_fsdp``). Returns each sharded module's unit name."""
