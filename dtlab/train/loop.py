@@ -160,12 +160,13 @@ class _Loop:
 
     def result(self) -> RankResult:
         self.memory.update(self.strategy.memory())  # kinds the strategy measured: over the loop's own
-        facts = self.strategy.describe()
-        for channel in self.channels:  # and what the instrument layer measured for it
+        for channel in self.channels:  # and those the instrument layer measured for it
             self.memory.update(channel.memory())
-            facts.update(channel.describe())
         self.memory.update(peak_process_bytes(self.info.device))
         state, evaluation = self.strategy.finish(self.model, self.data)  # on every rank: may be a collective
+        facts = self.strategy.describe()  # after finish, as before: a tier may describe what finish found
+        for channel in self.channels:
+            facts.update(channel.describe())
         checksum = float(sum(t.detach().double().sum() for t in state.values() if t.is_floating_point()))
         return RankResult(
             rank=self.info.rank, steps=self.steps, memory=self.memory, events=self.recorder.rows(),
