@@ -2,9 +2,9 @@
 from forward to backward.
 
 A unit's parameters are plain tensors while gathered and DTensor shards otherwise, so the count reads the
-parameters' types: just before a unit's all-gather (``gathering``, which the fsdp tier's labelled collectives
-call), the units still unsharded plus this one are what the rank holds once it lands. Counted on the first
-step only (``counting``): the peak is the same every step. The fsdp tier reports ``peak`` as its
+parameters' types: just before a unit's all-gather (``gathering``, which the ``fsdp_gathered`` channel calls),
+the units still unsharded plus this one are what the rank holds once it lands. Counted on the first step only
+(``counting``): the peak is the same every step. The channel reports ``peak`` as the fsdp tier's
 ``comm_buffers`` memory, which ``dtlab estimate`` predicts exactly.
 """
 

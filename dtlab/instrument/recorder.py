@@ -4,7 +4,7 @@ The one facade for recording. ``start()`` installs the dispatcher kernels
 (``dtlab.instrument.dispatch``) that see every call whichever path it took;
 ``stop()`` removes them, and torch runs as if dtlab were not there. A tier
 declares the channels it wants (``Strategy.comm_channels``: ``modules``,
-``ddp_buckets``; see ``dtlab.instrument.channels``), which the training loop
+``ddp_buckets``, ``fsdp_units``, ...; see ``dtlab.instrument.channels``), which the training loop
 opens with ``recorder.channels(...)``. Tags and the suppression of recording
 are per thread: DDP's reducer and torchft's recovery run on threads of their own.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dtlab.core.comm import events_frame
 from dtlab.core.timing import StepClock
-from dtlab.instrument.channels import CHANNELS
+from dtlab.instrument.channels import CHANNELS, Channel
 from dtlab.instrument.dispatch import Interceptor
 from dtlab.instrument.events import Event
 from dtlab.instrument.ops import ASYNC_NAMES, OP_CODES, OpRule, dtype_name, tensor_nbytes
@@ -103,16 +103,16 @@ class CommRecorder:
         self.stop()
 
     @contextlib.contextmanager
-    def channels(self, names: Sequence[str]) -> Iterator[None]:
-        """Open the named channels (``dtlab.instrument.channels.CHANNELS``) for the block."""
+    def channels(self, names: Sequence[str]) -> Iterator[list[Channel]]:
+        """Open the named channels (``dtlab.instrument.channels.CHANNELS``) for the block; it gets them."""
         unknown = [n for n in names if n not in CHANNELS]
         if unknown:
             raise ValueError(f"unknown recorder channel(s) {unknown}; known: {sorted(CHANNELS)}")
         with contextlib.ExitStack() as stack:
-            opened = [stack.enter_context(CHANNELS[n]()) for n in names]
+            opened = [stack.enter_context(CHANNELS[n](self)) for n in names]
             self._taggers += opened
             try:
-                yield
+                yield opened
             finally:
                 for channel in opened:
                     self._taggers.remove(channel)

@@ -26,7 +26,6 @@ small as a node, and only each rank's gradient shard crosses between groups.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,34 +35,23 @@ from torch import nn
 from dtlab.core import muon
 from dtlab.core.config import RunConfig
 from dtlab.core.data import Dataset
-from dtlab.core.env import resolve_backend
 from dtlab.core.job import OptimizerFactory
 from dtlab.core.mesh import Layout
 from dtlab.core.models import evaluate
 from dtlab.core.quantise import COMM_DTYPES
 from dtlab.core.registry import TierSpec
-from dtlab.instrument.gathered import GatheredBytes
-from dtlab.tiers.parts import base, checkpoint, fsdp_muon
-from dtlab.tiers.parts.fsdp_comms import check_comm_options, record_comms
+from dtlab.instrument.channels import declare_fsdp
+from dtlab.tiers.parts import base, checkpoint, fsdp_knobs, fsdp_muon
+from dtlab.tiers.parts.fsdp_comms import check_comm_options, install_comms
+from dtlab.tiers.parts.fsdp_knobs import MIXED_PRECISION, UnitOptions, check_dtype
 from dtlab.tiers.parts.sharded import meta_copy, plain_copy
 
-__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "apply_fsdp", "shard_units", "validate"]
-
-MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["MIXED_PRECISION", "Options", "SPEC", "Strategy", "UnitOptions", "apply_fsdp", "check_dtype", "shard_units",
+           "validate"]
 
 
 @dataclass(frozen=True)
-class Options:
-    # Free each unit's gathered parameters after its forward (and gather them again
-    # for backward): less memory, one more all-gather per unit and step.
-    reshard_after_forward: bool = True
-    # "bf16"/"fp16": all-gather and compute in that dtype; gradients are reduced and
-    # the sharded parameters kept in fp32.
-    mixed_precision: str = "none"
-    cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step live on the CPU
-    checkpoint_dir: str = ""  # DCP saves go to checkpoint_dir/step-NNNNNNNN
-    checkpoint_every: int = 0  # save every k steps; with checkpoint_dir set, always after the last step
-    resume_from: str = ""  # a checkpoint (or a checkpoint_dir: its latest) to load before training
+class Options(checkpoint.Knobs, UnitOptions):  # fully_shard's knobs (parts.fsdp_knobs), then the checkpoint's
     # HSDP: shard within groups of world_size / replicate ranks, replicate across the replicate groups
     replicate: int = 1
     # Quantised communication (dtlab.core.quantise): the parameters' all-gather and the gradients' reduce-scatter
@@ -81,17 +69,8 @@ def validate(cfg: RunConfig) -> None:
     except ImportError as exc:
         raise ValueError(f"the {cfg.tier} tier needs torch.distributed.fsdp.fully_shard (torch >= 2.6); "
                          f"this is torch {torch.__version__}") from exc
-    for field in ("reshard_after_forward", "cpu_offload"):
-        if not isinstance(getattr(o, field), bool):
-            raise ValueError(f"{name}.{field}={getattr(o, field)!r} is invalid: must be True or False")
-    if o.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"{name}.mixed_precision={o.mixed_precision!r} is invalid: choose one of "
-                         f"{', '.join(MIXED_PRECISION)}")
-    check_dtype(cfg, name)
-    _, device = resolve_backend(cfg.backend, cfg.device)
-    if o.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{name}.mixed_precision='bf16' is invalid: this GPU has no bf16 support; use 'fp16'")
-    checkpoint.validate_options(name, o.checkpoint_dir, o.checkpoint_every)
+    fsdp_knobs.check(cfg, name)
+    checkpoint.validate_knobs(cfg, saves_muon=True)  # fsdp_muon.check names what muon cannot checkpoint
     if not isinstance(o.replicate, int) or isinstance(o.replicate, bool) or o.replicate < 1:
         raise ValueError(f"{name}.replicate={o.replicate!r} is invalid: must be an integer >= 1")
     if cfg.world_size % o.replicate:
@@ -100,14 +79,6 @@ def validate(cfg: RunConfig) -> None:
     check_comm_options(o, name)
     if cfg.optimizer == "muon":
         fsdp_muon.check(cfg, name)
-
-
-def check_dtype(cfg: RunConfig, name: str) -> None:
-    """Mixed precision casts to 16 bits and reduces in float32: it has no float64 version."""
-    mixed = cfg.tier_options.mixed_precision
-    if mixed != "none" and cfg.dtype != "float32":
-        raise ValueError(f"{name}.mixed_precision={mixed!r} is invalid with RunConfig.dtype={cfg.dtype!r}: it "
-                         f"computes in 16 bits and reduces in float32; use mixed_precision='none'")
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -121,12 +92,10 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
-               gathering: Callable[[str], None] = lambda unit: None) -> dict[nn.Module, str]:
+def apply_fsdp(model: nn.Module, mesh: Any, options: UnitOptions, device_type: str) -> dict[nn.Module, str]:
     """``fully_shard`` each unit and the root over ``mesh`` (1-D: the ranks that share the parameters; 2-D:
-    replicate x shard, HSDP), their collectives labelled ``fsdp:<pass>:<unit>`` for the recorder (and quantised
-    where ``options`` ask). Returns each sharded module's unit name; ``gathering(unit)`` is called before each
-    all-gather."""
+    replicate x shard, HSDP), their collectives quantised where ``options`` ask and the units declared to the
+    instrument layer's FSDP channels (``declare_fsdp``). Returns each sharded module's unit name."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = MIXED_PRECISION[options.mixed_precision]
@@ -149,19 +118,15 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: Options, device_type: str,
     for _, unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)  # always: the root schedules the others
-    passes = {"now": "forward"}  # which pass a unit's all-gather serves (its label)
-    record_comms(named, passes, gathering, hsdp=mesh.ndim == 2,
-                 gather_dtype=getattr(options, "gather_comm_dtype", "fp32"),
-                 reduce_dtype=getattr(options, "reduce_comm_dtype", "fp32"), block=getattr(options, "comm_block", 128))
-    # prepend: before FSDP's own root pre-forward hook, which gathers the root unit; whatever is gathered
-    # after the forward, until the next, serves the backward
-    model.register_forward_pre_hook(lambda *_: passes.update(now="forward"), prepend=True)
-    model.register_forward_hook(lambda *_: passes.update(now="backward"))
+    install_comms(named, gather_dtype=getattr(options, "gather_comm_dtype", "fp32"),
+                  reduce_dtype=getattr(options, "reduce_comm_dtype", "fp32"), block=getattr(options, "comm_block", 128))
+    declare_fsdp(model, named, dtype, hsdp=mesh.ndim == 2)
     return named
 
 
 class Strategy(base.Strategy):
-    counts_gathered = True  # report the gathered bytes (comm_buffers): plain tensors while a unit is gathered
+    # FSDP2's collectives named by unit and pass; what each rank holds gathered, counted (comm_buffers)
+    comm_channels = ("fsdp_units", "fsdp_gathered")
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)
@@ -171,7 +136,6 @@ class Strategy(base.Strategy):
         self.start_step = 0  # set by make_optimizer when resuming
         self.units: list[str] = []
         self._template: nn.Module | None = None
-        self.gathered: GatheredBytes | None = None
 
     # -- set-up -------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -182,21 +146,8 @@ class Strategy(base.Strategy):
         return self.shard(model, layout.build(self.info.device.type))
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``apply_fsdp`` over ``mesh``, counting what each rank holds gathered (``GatheredBytes``)."""
-        named = apply_fsdp(model, mesh, self.options, self.info.device.type,
-                           lambda unit: self.gathered and self.gathered.gathering(unit))
-        self.units = list(named.values())
-        if self.counts_gathered:
-            self.gathered = GatheredBytes(model, named, MIXED_PRECISION[self.options.mixed_precision])
+        self.units = list(apply_fsdp(model, mesh, self.options, self.info.device.type).values())
         return model
-
-    def on_step_start(self, step: int) -> None:
-        if self.gathered:
-            self.gathered.counting = step == self.start_step  # the first step: the peak is the same every step
-
-    def memory(self) -> dict[str, int]:
-        """``comm_buffers``: the most bytes of all-gathered parameters held at once."""
-        return {"comm_buffers": self.gathered.peak} if self.gathered and self.gathered.peak else {}
 
     def make_optimizer(self, model: nn.Module, build: OptimizerFactory) -> torch.optim.Optimizer:
         if self.cfg.optimizer == "muon":  # whole matrices orthogonalised by their owners (dtlab.tiers.parts.fsdp_muon)
@@ -208,8 +159,6 @@ class Strategy(base.Strategy):
         return optimizer
 
     def on_step_end(self, step: int) -> None:
-        if self.gathered:
-            self.gathered.counting = False
         self.checkpoints.after_step(step)
 
     # -- what the loop reads back (on every rank) --------------------------------------
@@ -234,9 +183,7 @@ class Strategy(base.Strategy):
                                "mixed_precision": self.options.mixed_precision,
                                "gather_comm_dtype": getattr(self.options, "gather_comm_dtype", "fp32"),
                                "reduce_comm_dtype": getattr(self.options, "reduce_comm_dtype", "fp32"),
-                               "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate,
-                               "gathered_after_forward_bytes": self.gathered.after_forward if self.gathered else 0,
-                               "unit_bytes": dict(self.gathered.unit_bytes) if self.gathered else {}}
+                               "cpu_offload": self.options.cpu_offload, "replicate": self.options.replicate}
         return {**out, **self.checkpoints.describe()}
 
 

@@ -58,8 +58,9 @@ def validate(cfg: RunConfig) -> None:
 
 
 class Strategy(fsdp.Strategy):
-    comm_channels = ("modules",)
-    counts_gathered = False  # every parameter is a DTensor here, gathered or not: no comm_buffers reported
+    # DTensor's calls named by layer, FSDP2's by unit and pass; no gathered bytes counted: every parameter is a
+    # DTensor here, gathered or not, so their types cannot tell which units are gathered
+    comm_channels = ("modules", "fsdp_units")
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         o = cfg.tier_options
@@ -85,9 +86,7 @@ class Strategy(fsdp.Strategy):
         return tp.loss_context(self.tp_options)
 
     def describe(self) -> dict[str, Any]:
-        out = super().describe()
-        out.pop("gathered_after_forward_bytes")  # fsdp counts plain tensors; here every parameter is a DTensor
-        return {**out, "mesh": {"dp": self.dp_size, "tp": self.tp_size}, "shards": self.shards,
+        return {**super().describe(), "mesh": {"dp": self.dp_size, "tp": self.tp_size}, "shards": self.shards,
                 "sequence_parallel": self.tp_options.sequence_parallel,
                 "loss_parallel": self.tp_options.loss_parallel}
 

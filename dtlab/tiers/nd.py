@@ -128,7 +128,8 @@ def _first_step_setup(init: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Strategy(pipeline.Strategy):
-    comm_channels = ("modules",)  # tags DTensor's calls by layer: it communicates within each row
+    # DTensor's calls tagged by layer (it communicates within each row), FSDP2's by unit and pass
+    comm_channels = ("modules", "fsdp_units")
 
     def __init__(self, cfg: RunConfig, info: Any) -> None:
         super().__init__(cfg, info)

@@ -26,6 +26,7 @@ from dtlab.core.memory import (
 from dtlab.core.progress import report
 from dtlab.core.results import RankResult, params_to_bytes, provenance
 from dtlab.core.timing import StepClock
+from dtlab.instrument.channels import Channel, to_open
 from dtlab.instrument.recorder import CommRecorder, active
 from dtlab.tiers.parts.base import Strategy
 
@@ -35,8 +36,10 @@ _REPORT_EVERY_S = 0.25
 class _Loop:
     """One rank's run of the job: state shared by the step and its phases."""
 
-    def __init__(self, cfg: RunConfig, info: DistInfo, strategy: Strategy, recorder: CommRecorder) -> None:
+    def __init__(self, cfg: RunConfig, info: DistInfo, strategy: Strategy, recorder: CommRecorder,
+                 channels: list[Channel]) -> None:
         self.cfg, self.info, self.strategy, self.recorder = cfg, info, strategy, recorder
+        self.channels = channels  # opened before wrap: a tier declares what they measure as it shards
         self.model, self.data = build_job(cfg, info.device)
         self.model = strategy.wrap(self.model)
         # After wrap: a sharded or split tier holds only its part.
@@ -58,8 +61,12 @@ class _Loop:
         step = self.start
         while step < self.cfg.steps:
             self.recorder.step = step
+            for channel in self.channels:
+                channel.step_started(step)
             self.strategy.on_step_start(step)
             row = self.step(step)
+            for channel in self.channels:
+                channel.step_ended(step)
             self.strategy.on_step_end(step)
             self.steps.append(row)
             now = time.perf_counter()
@@ -153,15 +160,20 @@ class _Loop:
 
     def result(self) -> RankResult:
         self.memory.update(self.strategy.memory())  # kinds the strategy measured: over the loop's own
+        for channel in self.channels:  # and those the instrument layer measured for it
+            self.memory.update(channel.memory())
         self.memory.update(peak_process_bytes(self.info.device))
         state, evaluation = self.strategy.finish(self.model, self.data)  # on every rank: may be a collective
+        facts = self.strategy.describe()  # after finish, as before: a tier may describe what finish found
+        for channel in self.channels:
+            facts.update(channel.describe())
         checksum = float(sum(t.detach().double().sum() for t in state.values() if t.is_floating_point()))
         return RankResult(
             rank=self.info.rank, steps=self.steps, memory=self.memory, events=self.recorder.rows(),
             phases=self.recorder.phase_rows(), params_checksum=checksum,
             params=params_to_bytes(state) if self.info.is_main or self.strategy.params_on_every_rank else None,
             evaluation=evaluation,
-            strategy=self.strategy.describe(), provenance=provenance(self.info.backend, self.cfg.resolved_threads),
+            strategy=facts, provenance=provenance(self.info.backend, self.cfg.resolved_threads),
         )
 
 
@@ -174,11 +186,12 @@ def train(info: DistInfo, cfg: RunConfig) -> RankResult:
     if spec.strategy is None:
         raise ValueError(f"tier {cfg.tier!r} does not run the SPMD training loop: start it with dtlab.run(cfg)")
     strategy = spec.strategy(cfg, info)
-    # The channels name calls that carry no tag of their own (a layer's DTensor collectives, DDP's buckets)
-    channels = strategy.comm_channels if active() is not None else ()
+    # The channels name calls that carry no tag of their own (a layer's DTensor collectives, DDP's buckets), or
+    # measure (FSDP2's gathered bytes: those open whether the run records or not)
+    channels = to_open(strategy.comm_channels, recording=active() is not None)
     try:
-        with recorder.channels(channels):
-            loop = _Loop(cfg, info, strategy, recorder)
+        with recorder.channels(channels) as opened:
+            loop = _Loop(cfg, info, strategy, recorder, opened)
             loop.run()
             return loop.result()
     except BaseException as exc:

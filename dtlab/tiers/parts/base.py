@@ -33,7 +33,8 @@ class Strategy:
     accumulation_steps = 1
     start_step = 0  # the loop runs steps start_step .. cfg.steps - 1 (a resumed run starts later)
     custom_step = False  # True: the loop calls run_step() instead of forward, loss, backward
-    # Recorder channels that name this tier's calls (dtlab.instrument.channels): "modules", "ddp_buckets"
+    # Channels of the instrument layer this tier declares (dtlab.instrument.channels): "modules", "ddp_buckets"
+    # and "fsdp_units" name its calls; "fsdp_gathered" measures what it holds gathered
     comm_channels: tuple[str, ...] = ()
     # True: every rank returns its parameters, not rank 0 alone, so that a run of replica groups can check that
     # every rank of every group ended with the same ones (dtlab.train.ft.replica_agreement)
