@@ -45,7 +45,7 @@ from dtlab.launch.rank import LIVE_SLOTS, rank_main
 # Imported once in the forkserver, so every rank starts with them loaded (seconds saved per launch).
 # torch._dynamo alone costs 0.7 s: the first optimizer a rank builds imports it. Every tier too (DTensor and
 # the pipelining schedules are another 1-2 s), although a process outside the forkserver imports only its own.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "cloudpickle", "numpy", "sklearn.datasets",
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "cloudpickle", "numpy",
             "dtlab.launch.rank", "dtlab.train", *(registry.module_name(name) for name in registry.COURSE)]
 _GRACE_S = 0.5  # after the first failure, time for the victims' reports to arrive
 _WATCHDOG_SLACK_S = 5.0  # the process group's own timeout gets the first chance to end a hung collective
