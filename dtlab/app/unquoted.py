@@ -8,10 +8,12 @@ that is not a measurement (a version, a paper's identifier, a configuration valu
 by ``ALLOWED``, each pattern with the reason it is not one.
 
     python -m dtlab.app.unquoted     # list them (exit 1 when any)
+    python -m dtlab.app.unquoted --shrink tests/quotes_typed_by_hand.txt   # take off the list what left the pages
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import nbformat
 
 from dtlab.app.quotes import BLOCK, ROOT, pages
 
-__all__ = ["ALLOWED", "MEASURED", "main", "unquoted"]
+__all__ = ["ALLOWED", "MEASURED", "main", "shrink", "unquoted"]
 
 _NUMBER = r"(?<![\w.^/\-−+])\d[\d,]*(?:\.\d+)?"
 _UNIT = (r"(?:×|[ \u00a0]?%|[ \u00a0]?(?:ns|µs|us|ms|s|min|minutes|seconds|hours)\b"
@@ -93,7 +95,24 @@ def unquoted(root: Path = ROOT) -> dict[str, str]:
     return found
 
 
-def main() -> int:
+def shrink(listed: Path, root: Path = ROOT) -> tuple[int, int, list[str]]:
+    """Take off ``listed`` (one ``page: number | its line`` a line) what no page states any more; the list only
+    shrinks, so a number on the pages and not on the list is returned, not added: (before, after, new)."""
+    found, known = set(unquoted(root)), listed.read_text().splitlines()
+    kept = [line for line in known if line in found]
+    listed.write_text("".join(f"{line}\n" for line in kept))
+    return len(known), len(kept), sorted(found - set(known))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtlab.app.unquoted", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shrink", type=Path, metavar="LIST", help="take off LIST the numbers no page states")
+    args = parser.parse_args(argv)
+    if args.shrink:
+        before, after, new = shrink(args.shrink)
+        print(f"{args.shrink}: {before} -> {after} entries")
+        print("\n".join(f"not on the list (quote it or allow it): {key}" for key in new))
+        return 1 if new else 0
     found = unquoted()
     print("\n".join(f"{key}  ({at})" for key, at in found.items())
           or "every measured-looking number is quoted from a result or allowed")
