@@ -14,10 +14,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from dtlab.read import multinode
+from dtlab.read.rounds import median
+
 FIGURES = Path("docs/figures")
 PIPELINE_BUBBLE = FIGURES / "pipeline_bubble.csv"
 OVERLAP = FIGURES / "overlap.csv"
 PARITY_MUON = FIGURES / "parity_muon.csv"
+LINK_SWEEP_RUNS = FIGURES / "link_sweep_runs.csv"
 
 __all__ = ["DOCS", "sci"]
 
@@ -113,7 +117,113 @@ def parity_muon(root: Path, dtype: str) -> str:
     return sci(runs.loc[runs["dtype"] == dtype, "gap"].max())
 
 
+def _links(root: Path) -> tuple[pd.DataFrame, float, float, float]:
+    """The sweep's runs, its slow and fast links (Mbit/s) and its delay (ms)."""
+    runs = pd.read_csv(root / LINK_SWEEP_RUNS)
+    return runs, runs["link_mbit"].min(), runs["link_mbit"].max(), runs["link_delay_ms"].max()
+
+
+def _within(values: list[float]) -> str:
+    """A median of per-round ratios and their min–max; three places below 1, where the savings are."""
+    digits = 3 if median(values) < 1 else 2
+    return f"{median(values):.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def _link_name(mbit: float, delay: float) -> str:
+    link = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+    return link + (f" + {delay:g} ms" if delay else "")
+
+
+def _step_gain(runs: pd.DataFrame, hook: str, mbit: float, delay: float) -> pd.Series:
+    """Per round, what ``delay`` adds to ``hook``'s step on ``mbit`` (ms)."""
+    at = runs[(runs["link_mbit"] == mbit) & (runs["comm_hook"] == hook)].pivot(
+        index="round", columns="link_delay_ms", values="step_ms")
+    return at[delay] - at[0.0]
+
+
+def link_sweep_table(root: Path) -> str:
+    """Per link: the all-reduce's step and each compression hook's, with its per-round ratio to the all-reduce."""
+    runs, _, _, _ = _links(root)
+    lines = [_row(["link", "all-reduce step", "fp16 step (/ all-reduce)", "PowerSGD rank 1 step (/ all-reduce)"]),
+             _row(["---"] * 4)]
+    points = runs[["link_mbit", "link_delay_ms"]].drop_duplicates().sort_values(
+        ["link_mbit", "link_delay_ms"], ascending=[False, True])
+    for mbit, delay in points.itertuples(index=False):
+        at = runs[(runs["link_mbit"] == mbit) & (runs["link_delay_ms"] == delay)]
+        cells = [_link_name(mbit, delay)]
+        for hook in ("allreduce", "fp16", "powersgd"):
+            steps = at.loc[at["comm_hook"] == hook, "step_ms"]
+            step = f"{steps.median():.1f} ms"
+            if hook == "allreduce":
+                cells.append(f"{step} ({steps.min():.1f}–{steps.max():.1f})")
+            else:
+                cells.append(f"{step} ({_within(multinode.step_ratios(runs, hook, mbit, delay))})")
+        lines.append(_row(cells))
+    return "\n".join(lines)
+
+
+def link_sweep_bandwidth(root: Path) -> str:
+    """The slow link's cost to the all-reduce, and what each hook sends and takes of its step there and on the
+    fast link."""
+    runs, slow, fast, _ = _links(root)
+    slowdown = multinode.slowdown(runs, slow, fast)
+    sent = runs.groupby("comm_hook")["comm_mb_per_step"].median()
+    fp16, psgd = (median(multinode.step_ratios(runs, h, slow, 0.0)) for h in ("fp16", "powersgd"))
+    fast_fp16, fast_psgd = (median(multinode.step_ratios(runs, h, fast, 0.0)) for h in ("fp16", "powersgd"))
+    return (f"at {_link_name(slow, 0)} the plain all-reduce makes the step {median(slowdown):.1f}× slower than at "
+            f"{_link_name(fast, 0)} [{min(slowdown):.1f}–{max(slowdown):.1f}]; fp16 sends half the bytes "
+            f"({sent['fp16']:.2f} MB) and takes {fp16:.2f} of its step; PowerSGD sends "
+            f"{100 * sent['powersgd'] / sent['allreduce']:.0f} % ({sent['powersgd']:.3f} MB) and takes {psgd:.2f}; "
+            f"on the fast link neither pays (fp16 {fast_fp16:.2f}, PowerSGD {fast_psgd:.2f}")
+
+
+def link_sweep_delay(root: Path) -> str:
+    """What the delay adds to one all-reduce per step, per link, min–max over the rounds."""
+    runs, slow, fast, delay = _links(root)
+    fast_gain, slow_gain = (_step_gain(runs, "allreduce", m, delay) for m in (fast, slow))
+    return (f"which the delay costs {fast_gain.min():.1f}–{fast_gain.max():.1f} ms at {_link_name(fast, 0)} and "
+            f"{slow_gain.min():.1f}–{slow_gain.max():.1f} ms at {_link_name(slow, 0)}")
+
+
+def link_sweep_powersgd_delay(root: Path) -> str:
+    """What the delay adds to PowerSGD's step, per link, min–max over the rounds."""
+    runs, slow, fast, delay = _links(root)
+    gains = [_step_gain(runs, "powersgd", m, delay) for m in (slow, fast)]
+    return (f"its step grows by {gains[0].min():.0f}–{gains[0].max():.0f} ms at {_link_name(slow, 0)} and "
+            f"{gains[1].min():.0f}–{gains[1].max():.0f} ms at {_link_name(fast, 0)}")
+
+
+def link_sweep_order(root: Path) -> str:
+    """PowerSGD against fp16 on the slow delayed link, and PowerSGD on the fast delayed one."""
+    runs, slow, fast, delay = _links(root)
+    psgd, fp16 = (median(multinode.step_ratios(runs, h, slow, delay)) for h in ("powersgd", "fp16"))
+    fast_psgd = median(multinode.step_ratios(runs, "powersgd", fast, delay))
+    return (f"({psgd:.2f} of the all-reduce against {fp16:.2f}); at {_link_name(fast, delay)} it is the slowest "
+            f"({fast_psgd:.1f}× the all-reduce)")
+
+
+def link_sweep_quality(root: Path) -> str:
+    """The held-out loss per seed and hook on the slow link, and how far each hook ends from the all-reduce."""
+    runs, slow, _, _ = _links(root)
+    held = runs[(runs["link_mbit"] == slow) & (runs["link_delay_ms"] == 0)].pivot(
+        index="seed", columns="comm_hook", values="eval_loss")
+    seeds = ", ".join(str(s) for s in held.index)
+    per = "; ".join(f"{name} {', '.join(f'{v:.3f}' for v in held[hook])}"
+                    for hook, name in (("allreduce", "all-reduce"), ("fp16", "fp16"), ("powersgd", "PowerSGD")))
+    fp16 = (held["fp16"] - held["allreduce"]).abs()
+    psgd = held["powersgd"] - held["allreduce"]
+    worse = "on every seed" if (psgd > 0).all() else f"on {(psgd > 0).sum()} of {len(psgd)} seeds"
+    return (f"per seed {seeds}, {per}. fp16 is within {fp16.max():.3f} of the all-reduce on every seed; PowerSGD "
+            f"at rank 1 is worse {worse}, by {psgd.min():.4f} to {psgd.max():.3f}")
+
+
 DOCS: dict[str, Callable[[Path], str]] = {
+    "link-sweep-bandwidth": link_sweep_bandwidth,
+    "link-sweep-delay": link_sweep_delay,
+    "link-sweep-order": link_sweep_order,
+    "link-sweep-powersgd-delay": link_sweep_powersgd_delay,
+    "link-sweep-quality": link_sweep_quality,
+    "link-sweep-table": link_sweep_table,
     "overlap-control": overlap_control,
     "overlap-table": overlap_table,
     "parity-muon-float32": lambda root: parity_muon(root, "float32"),
