@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from dtlab.cost.planner import validate
 from dtlab.read import multinode
 from dtlab.read.rounds import median
 
@@ -22,6 +23,7 @@ PIPELINE_BUBBLE = FIGURES / "pipeline_bubble.csv"
 OVERLAP = FIGURES / "overlap.csv"
 PARITY_MUON = FIGURES / "parity_muon.csv"
 LINK_SWEEP_RUNS = FIGURES / "link_sweep_runs.csv"
+PLANNER = FIGURES / "planner_validation.csv"
 
 __all__ = ["DOCS", "sci"]
 
@@ -217,6 +219,58 @@ def link_sweep_quality(root: Path) -> str:
             f"at rank 1 is worse {worse}, by {psgd.min():.4f} to {psgd.max():.3f}")
 
 
+def _planner(root: Path) -> pd.DataFrame:
+    """The validation's rows, labelled as ``validate`` labels a run."""
+    rows = pd.read_csv(root / PLANNER)
+    rows["scored"] = rows["scored"].astype(bool)
+    return rows.assign(label=[f"row {r.row}: {r.model}, {r.gpus} x {r.gpu}" for r in rows.itertuples()])
+
+
+def planner_output(root: Path) -> str:
+    """The validation's summary lines, as ``python -m dtlab.cost.planner.validate`` prints them."""
+    rows = _planner(root)
+    lines = [f"{validate.LOSO}: {validate.summary(rows)}",
+             f"{validate.IN_SAMPLE}: {validate.summary(rows, 'error_in_sample')}"]
+    unscored = rows[~rows["scored"]]
+    if len(unscored):
+        lines.append(f"not scored (unpublished choices, none fits by the planner's memory model): rows "
+                     f"{validate.compact(unscored['row'])}")
+    return "\n".join(["```text", *lines, "```"])
+
+
+def _median_worst(rows: pd.DataFrame, column: str) -> str:
+    errors = rows.loc[rows["scored"], column]
+    worst = errors.loc[errors.abs().idxmax()]
+    return f"the median error is {100 * errors.abs().median():.1f} % and the worst {100 * worst:+.1f} %"
+
+
+def planner_headline(root: Path) -> str:
+    """Out of sample over the scored runs: the median and worst error, against the targets."""
+    rows = _planner(root)
+    errors = rows.loc[rows["scored"], "error"]
+    met = errors.abs().median() <= validate.TARGETS[0] and errors.abs().max() <= validate.TARGETS[1]
+    return (f"Over the {int(rows['scored'].sum())} scored runs {_median_worst(rows, 'error')}: the targets set "
+            f"for it (a median of at most {100 * validate.TARGETS[0]:.0f} %, a worst of at most "
+            f"{100 * validate.TARGETS[1]:.0f} %) are **{'met' if met else 'not met'}**")
+
+
+def planner_in_sample(root: Path) -> str:
+    """In-sample over the scored runs: the median and worst error."""
+    return _median_worst(_planner(root), "error_in_sample")
+
+
+def planner_sources(root: Path) -> str:
+    """Per source: its runs and its median |error|, out of sample and in-sample (``not scored`` where none is)."""
+    rows = _planner(root)
+    lines = [_row(["source", "runs", "leave-one-source-out", "in-sample"]), "| --- | ---: | ---: | ---: |"]
+    for source, runs in rows.groupby("source", sort=False):
+        scored = runs[runs["scored"]]
+        cells = ([f"{100 * scored[c].abs().median():.1f} %" for c in ("error", "error_in_sample")]
+                 if len(scored) else ["not scored"] * 2)
+        lines.append(_row([source, str(len(runs)), *cells]))
+    return "\n".join(lines)
+
+
 DOCS: dict[str, Callable[[Path], str]] = {
     "link-sweep-bandwidth": link_sweep_bandwidth,
     "link-sweep-delay": link_sweep_delay,
@@ -228,6 +282,10 @@ DOCS: dict[str, Callable[[Path], str]] = {
     "overlap-table": overlap_table,
     "parity-muon-float32": lambda root: parity_muon(root, "float32"),
     "parity-muon-float64": lambda root: parity_muon(root, "float64"),
+    "planner-headline": planner_headline,
+    "planner-in-sample": planner_in_sample,
+    "planner-output": planner_output,
+    "planner-sources": planner_sources,
     "pipeline-bubble-excess": pipeline_bubble_excess,
     "pipeline-bubble-load": pipeline_bubble_load,
     "pipeline-bubble-table": pipeline_bubble_table,
