@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtlab.app.quoted_docs import FIGURES, table_row
+from dtlab.core.ft import TIMEOUTS
 from dtlab.cost.planner import validate
 from dtlab.cost.roofline import cpu as roofline_cpu
 from dtlab.cost.roofline.__main__ import gemm_errors
@@ -23,6 +24,8 @@ from dtlab.read.rounds import median
 LINK_SWEEP_RUNS = FIGURES / "link_sweep_runs.csv"
 PLANNER = FIGURES / "planner_validation.csv"
 ROOFLINE = FIGURES / "roofline.csv"
+FT_RECOVERY = FIGURES / "ft_recovery.csv"
+FT_PARTS = FIGURES / "ft_recovery_parts.csv"
 
 __all__ = ["MEASURE"]
 
@@ -238,7 +241,41 @@ def roofline_triads(root: Path) -> str:
             f"below it")
 
 
+def _parts(root: Path) -> pd.DataFrame:
+    """One SIGKILL's parts, medians over the rounds: (lane, part) -> start_s, end_s, seconds."""
+    return pd.read_csv(root / FT_PARTS).set_index(["lane", "part"])
+
+
+def ft_quorum_wait(root: Path) -> str:
+    """The live group's wait for a quorum without the dead one, against the lighthouse's heartbeat timeout; the
+    restarted group's manager's start and its state transfer."""
+    parts = _parts(root)
+    lanes = {name: f"ft ({name} timeouts)" for name in ("torchft", "tuned")}
+    waits = ", ".join(f"{parts.loc[(f'{lane}: live group', 'quorum'), 'seconds']:.2f} s against "
+                      f"{TIMEOUTS[name].heartbeat_timeout_ms / 1000:g} s" for name, lane in lanes.items())
+    up = [parts.loc[(f"{lane}: restarted group", "restart"), "end_s"] for lane in lanes.values()]
+    transfer = max(parts.loc[(f"{lane}: restarted group", "state transfer"), "seconds"] for lane in lanes.values())
+    return (f"lighthouse's heartbeat timeout: {waits}. The restarted group's new manager is up {up[0]:.2f} s "
+            f"(torchft's) or {up[1]:.2f} s (tuned) after the fault, yet its first quorum comes at the same moment as "
+            f"the live group's; receiving the live state from the peer takes {1e3 * transfer:.0f} ms")
+
+
+def ft_elastic_parts(root: Path) -> str:
+    """``elastic``'s parts of one SIGKILL, their sum, and the median of its whole loss over the rounds."""
+    parts = _parts(root).loc["elastic", "seconds"]
+    rounds = pd.read_csv(root / FT_RECOVERY)
+    killed = rounds[(rounds["variant"] == "elastic_killed") & (rounds["round"] >= 0)]  # round -1: the warm-up
+    lost, redone = killed["lost_s"], killed["redone_steps"].median()
+    return (f"the surviving rank's all-reduce fails within {1e3 * parts['detection']:.0f} ms, the agents stop every "
+            f"worker and meet again ({parts['restart']:.2f} s), the new process group forms "
+            f"({parts['rendezvous']:.2f} s), the snapshot loads ({parts['snapshot load']:.2f} s) and the "
+            f"{redone:.0f} steps since it run again ({parts['redone steps']:.2f} s); the medians of its parts add up "
+            f"to {parts.sum():.2f} s, the median of its whole loss is {lost.median():.2f} s")
+
+
 MEASURE: dict[str, Callable[[Path], str]] = {
+    "ft-elastic-parts": ft_elastic_parts,
+    "ft-quorum-wait": ft_quorum_wait,
     "link-sweep-bandwidth": link_sweep_bandwidth,
     "link-sweep-delay": link_sweep_delay,
     "link-sweep-order": link_sweep_order,
