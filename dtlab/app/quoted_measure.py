@@ -18,6 +18,7 @@ from dtlab.core.ft import TIMEOUTS
 from dtlab.cost.planner import validate
 from dtlab.cost.roofline import cpu as roofline_cpu
 from dtlab.cost.roofline.__main__ import gemm_errors
+from dtlab.cost.roofline.devices import SUSTAINED
 from dtlab.read import multinode
 from dtlab.read.rounds import median
 
@@ -182,6 +183,70 @@ def planner_sources(root: Path) -> str:
     return "\n".join(lines)
 
 
+def _signed(x: float) -> str:
+    return f"{100 * x + 0:+.1f} %".replace("-", "−")  # + 0: no "−0.0 %"
+
+
+def _mosaic(root: Path) -> pd.DataFrame:
+    """MosaicML's scored rows, with their die, recomputation (from the layout) and model size."""
+    rows = _planner(root)
+    rows = rows[rows["scored"] & (rows["source"] == "MosaicML llm-foundry")]
+    return rows.assign(die=rows["gpu"].str.split("_").str[0], recompute=rows["layout"].str.split().str[4],
+                       size=rows["model"].str.split().str[0].str.removeprefix("MPT-"))
+
+
+def planner_h100(root: Path) -> str:
+    """MosaicML's H100 runs: the median error out of sample (and its worst), and in-sample."""
+    h100 = _mosaic(root).query("die == 'H100'")
+    out, inside = h100["error"], h100["error_in_sample"]
+    same = "signed and unsigned" if (out > 0).all() else f"unsigned; signed {_signed(out.median())}"
+    return (f"{100 * out.abs().median():.1f} % too fast out of sample (the median, {same}; worst "
+            f"{_signed(out.loc[out.abs().idxmax()])}), {100 * inside.abs().median():.1f} % in-sample (signed median "
+            f"{_signed(inside.median())})")
+
+
+def planner_sustained(root: Path) -> str:
+    """The H100's and the A100's fitted constants as committed (``roofline.devices.SUSTAINED``); ``root`` unused:
+    the constants are the code's, refitted by ``validate --fit``."""
+    return f"({SUSTAINED['H100']:g} against {SUSTAINED['A100']:g})"
+
+
+def planner_scale(root: Path) -> str:
+    """MosaicML's large-scale H100 table: how far the published and the predicted rate per GPU fall from the
+    fewest GPUs to the most, per model."""
+    big = _mosaic(root).query("die == 'H100' and gpus >= 128")
+    lo, hi = big["gpus"].min(), big["gpus"].max()
+    falls, moves = {}, []
+    for size, runs in big.groupby("size"):
+        at = runs.set_index("gpus")
+        if lo in at.index and hi in at.index:
+            falls[size] = 1 - at.loc[hi, "published"] / at.loc[lo, "published"]
+            moves.append(abs(at.loc[hi, "predicted"] / at.loc[lo, "predicted"] - 1))
+    least, most = min(falls, key=falls.get), max(falls, key=falls.get)
+    return (f"fall from {lo} to {hi} GPUs by {100 * falls[least]:.1f} % ({least}) to {100 * falls[most]:.1f} % "
+            f"({most}), and the prediction moves by at most {100 * max(moves):.1f} %")
+
+
+def planner_small(root: Path) -> str:
+    """MosaicML's A100 models below 1B parameters, in-sample: each size's median error, and every run without
+    recomputation."""
+    a100 = _mosaic(root).query("die == 'A100'")
+    small = a100[a100["size"].str.endswith("M")]
+    medians = small.groupby("size", sort=False)["error_in_sample"].median()
+    medians = medians.loc[sorted(medians.index, key=lambda s: float(s[:-1]))]
+    return (f"{100 * medians.min():.0f}–{100 * medians.max():.0f} % too fast in-sample (medians: "
+            f"{', '.join(f'{size} {_signed(m)}' for size, m in medians.items())}), all of MosaicML's A100 runs "
+            f"without recomputation {_signed(a100.loc[a100['recompute'] == 'none', 'error_in_sample'].median())}")
+
+
+def planner_recompute(root: Path) -> str:
+    """MosaicML's signed median error in-sample per die, with full recomputation and without."""
+    rows = _mosaic(root)
+    med = rows.groupby(["recompute", "die"])["error_in_sample"].median()
+    return (f"in-sample {_signed(med['full', 'A100'])} (A100) and {_signed(med['full', 'H100'])} (H100) signed "
+            f"medians, against {_signed(med['none', 'A100'])} and {_signed(med['none', 'H100'])} without it")
+
+
 # The placements as the page names them, in its order
 _PLACEMENTS = {(1, 1): "1 thread", (2, 1): "2 threads", (1, 2): "1 thread in each of 2 processes"}
 
@@ -282,7 +347,12 @@ MEASURE: dict[str, Callable[[Path], str]] = {
     "link-sweep-powersgd-delay": link_sweep_powersgd_delay,
     "link-sweep-quality": link_sweep_quality,
     "link-sweep-table": link_sweep_table,
+    "planner-h100": planner_h100,
     "planner-headline": planner_headline,
+    "planner-recompute": planner_recompute,
+    "planner-scale": planner_scale,
+    "planner-small": planner_small,
+    "planner-sustained": planner_sustained,
     "planner-in-sample": planner_in_sample,
     "planner-output": planner_output,
     "planner-sources": planner_sources,
