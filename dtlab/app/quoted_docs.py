@@ -14,10 +14,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from dtlab.cost import cp as cp_cost
+
 FIGURES = Path("docs/figures")
 PIPELINE_BUBBLE = FIGURES / "pipeline_bubble.csv"
 OVERLAP = FIGURES / "overlap.csv"
 PARITY_MUON = FIGURES / "parity_muon.csv"
+
+# ``python -m dtlab.experiments.cp_work``'s job, as the page states it: the counts it measured equal these formulas
+CP_JOB = {"batch": 64, "width": 64, "depth": 2}
 
 __all__ = ["DOCS", "FIGURES", "sci", "table_row"]
 
@@ -113,7 +118,31 @@ def parity_muon(root: Path, dtype: str) -> str:
     return sci(runs.loc[runs["dtype"] == dtype, "gap"].max())
 
 
+def cp_flops_table(root: Path) -> str:
+    """Each rank's matrix-product FLOPs of one ring-attention block at world 4, per balance, by
+    ``dtlab.cost.cp.attention_flops_formula`` (which the measured counts equal; ``root`` unused)."""
+    n = 4
+    lines = [table_row([f"world {n}", *(f"rank {r}" for r in range(n))]), table_row(["---"] * (n + 1))]
+    for balance in ("contiguous", "zigzag"):
+        flops = cp_cost.attention_flops_formula(n, balance, CP_JOB["batch"], CP_JOB["width"])
+        lines.append(table_row([f"`{balance}`", *(f"{f / 1e6:.2f} MFLOP" for f in flops)]))
+    return "\n".join(lines)
+
+
+def cp_bytes_table(root: Path) -> str:
+    """The attention's bytes per step on the busiest rank, per method at world 2 and 4, by
+    ``dtlab.cost.cp.attention_bytes`` (which the recorded bytes equal; ``root`` unused)."""
+    header = ["`method`", *(f"world {n}, {what}" for n in (2, 4) for what in ("counted", "leaving the rank"))]
+    lines = [table_row(header), table_row(["---"] * len(header))]
+    for method in ("ring", "ulysses"):
+        cells = [cp_cost.attention_bytes(method, n, **CP_JOB) for n in (2, 4)]
+        lines.append(table_row([f"`{method}`", *(f"{b[k] / 1e6:.2f} MB" for b in cells for k in ("counted", "sent"))]))
+    return "\n".join(lines)
+
+
 DOCS: dict[str, Callable[[Path], str]] = {
+    "cp-bytes-table": cp_bytes_table,
+    "cp-flops-table": cp_flops_table,
     "overlap-control": overlap_control,
     "overlap-table": overlap_table,
     "parity-muon-float32": lambda root: parity_muon(root, "float32"),
