@@ -44,6 +44,8 @@ ALLOWED: tuple[tuple[str, str], ...] = (
      "a timeout's default, set by dtlab or torch, not timed"),
     (r"(?:target|targets|aim of|≤|<=|tested to|hold|keep)\s~?\d+(?:\.\d)?(?: %|e-\d+| minutes)"
      r"|within (?:30 %|1e-\d+)", "a target or a test's tolerance, set before measuring"),
+    (r"(?:gap above|within|bound of|\(bf16:|hold float32 to|\ba|against|\(>)\s+[15]e-\d+\b",
+     "a parity test's bound, a power of ten set before measuring (a measured gap has its digits)"),
     (r"±\d+ %", "a guide line drawn on a figure"),
     (r"(?:every|missing for|a burst of|The(?= 0\.3 s above)|out after|group after|default is"
      r"|waits(?: out the)?|timeout of|`join_timeout`,)\s\**\d+(?:\.\d+)? m?s\**(?! later)",
