@@ -27,6 +27,9 @@ PLANNER = FIGURES / "planner_validation.csv"
 ROOFLINE = FIGURES / "roofline.csv"
 FT_RECOVERY = FIGURES / "ft_recovery.csv"
 FT_PARTS = FIGURES / "ft_recovery_parts.csv"
+DILOCO_SWEEP = FIGURES / "diloco_link_sweep.csv"
+DILOCO_RUNS = FIGURES / "diloco_link.csv"
+NEAR_BEST = 0.001  # a held-out loss this close to the chosen one's is named beside it
 
 __all__ = ["MEASURE"]
 
@@ -338,7 +341,44 @@ def ft_elastic_parts(root: Path) -> str:
             f"to {parts.sum():.2f} s, the median of its whole loss is {lost.median():.2f} s")
 
 
+def _grid(values: pd.Series) -> str:
+    return ", ".join(f"{v:g}" for v in sorted(values.dropna().unique()))
+
+
+def _chosen(runs: pd.DataFrame, column: str) -> str:
+    """The chosen run's value of ``column``, and whether the grid's edge held it."""
+    value, grid = runs.loc[runs["chosen"], column].iloc[0], runs[column]
+    return f"{value:g}" + (", the grid's edge" if value in (grid.min(), grid.max()) else "")
+
+
+def diloco_sweep(root: Path) -> str:
+    """What the sweep tuned, over which grids, and what it chose (the lowest final held-out loss)."""
+    sweep = pd.read_csv(root / DILOCO_SWEEP)
+    ddp, h20 = sweep[sweep["h"] == 0], sweep[sweep["h"] == 20]
+    best = h20.loc[h20["chosen"]].iloc[0]
+    near = h20[~h20["chosen"] & (h20["heldout_final"] - best["heldout_final"]).abs().le(NEAR_BEST)]
+    near_text = "".join(f"; {r.lr:g} and {r.outer_lr:g} came within {NEAR_BEST:g}" for r in near.itertuples())
+    inner = "" if _chosen(ddp, "lr").endswith("edge") else ", an inner point"
+    parts = [_chosen(sweep[sweep["h"] == h], "outer_lr") for h in sorted(set(sweep["h"]) - {0, 20})]
+    others = (", and " if any("," in p for p in parts) else " and ").join(parts)
+    return (f"DDP's learning rate over {_grid(ddp['lr'])} (chosen {_chosen(ddp, 'lr')}{inner}); DiLoCo H = 20's "
+            f"inner learning rate over the same ones and its outer learning rate over "
+            f"{_grid(h20['outer_lr'])} (chosen {best['lr']:g} and {best['outer_lr']:g}{near_text}); then the outer "
+            f"rate of H = {' and H = '.join(str(h) for h in sorted(set(sweep['h']) - {0, 20}))} at that inner rate "
+            f"(chosen {others})")
+
+
+def diloco_load(root: Path) -> str:
+    """The machine's load average over the main run and over the sweep, before and after each run."""
+    def span(path: Path) -> str:
+        loads = pd.read_csv(root / path)[["loadavg_before", "loadavg_after"]].to_numpy()
+        return f"{loads.min():.1f}–{loads.max():.1f}"
+    return f"load average {span(DILOCO_RUNS)} over the main run, {span(DILOCO_SWEEP)} over the sweep"
+
+
 MEASURE: dict[str, Callable[[Path], str]] = {
+    "diloco-load": diloco_load,
+    "diloco-sweep": diloco_sweep,
     "ft-elastic-parts": ft_elastic_parts,
     "ft-quorum-wait": ft_quorum_wait,
     "link-sweep-bandwidth": link_sweep_bandwidth,
