@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from dtlab.app.quoted_docs import DOCS
+from dtlab.app.quoted_faults import FAULTS
 from dtlab.app.quoted_measure import MEASURE
 from dtlab.app.quoted_more import MORE
 from dtlab.cost.planner.validate import TARGETS
@@ -382,3 +383,4 @@ QUOTES: dict[str, Callable[[Path], str]] = {
 QUOTES.update(MORE)  # goodput's quotes, kept in their own module
 QUOTES.update(DOCS)  # the tiers page's, in theirs
 QUOTES.update(MEASURE)  # the measurement page's
+QUOTES.update(FAULTS)  # and its faults' and slow links'
