@@ -24,6 +24,7 @@ from dtlab.read.rounds import median
 LINK_SWEEP_RUNS = FIGURES / "link_sweep_runs.csv"
 PLANNER = FIGURES / "planner_validation.csv"
 ROOFLINE = FIGURES / "roofline.csv"
+DEMO = FIGURES / "demo_compare.csv"
 
 __all__ = ["MEASURE"]
 
@@ -303,7 +304,14 @@ def roofline_triads(root: Path) -> str:
             f"below it")
 
 
+def demo_collectives(root: Path) -> str:
+    """DDP's and ZeRO's collectives per step in the demo's run."""
+    per = pd.read_csv(root / DEMO).set_index("tier")["collectives_per_step"]
+    return f"DDP's and ZeRO's {per['ddp']:.2f} and {per['zero']:.2f} collectives per step"
+
+
 MEASURE: dict[str, Callable[[Path], str]] = {
+    "demo-collectives": demo_collectives,
     "link-sweep-bandwidth": link_sweep_bandwidth,
     "link-sweep-delay": link_sweep_delay,
     "link-sweep-order": link_sweep_order,
