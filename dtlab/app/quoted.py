@@ -14,6 +14,9 @@ from typing import Any
 
 import pandas as pd
 
+from dtlab.app.quoted_docs import DOCS
+from dtlab.app.quoted_faults import FAULTS
+from dtlab.app.quoted_measure import MEASURE
 from dtlab.app.quoted_more import MORE
 from dtlab.cost.planner.validate import TARGETS
 from dtlab.experiments.ddp_steps import summary
@@ -378,3 +381,6 @@ QUOTES: dict[str, Callable[[Path], str]] = {
     "width-sweep-runs": width_sweep_runs,
 }
 QUOTES.update(MORE)  # goodput's quotes, kept in their own module
+QUOTES.update(DOCS)  # the tiers page's, in theirs
+QUOTES.update(MEASURE)  # the measurement page's
+QUOTES.update(FAULTS)  # and its faults' and slow links'

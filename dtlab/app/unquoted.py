@@ -8,10 +8,12 @@ that is not a measurement (a version, a paper's identifier, a configuration valu
 by ``ALLOWED``, each pattern with the reason it is not one.
 
     python -m dtlab.app.unquoted     # list them (exit 1 when any)
+    python -m dtlab.app.unquoted --shrink tests/quotes_typed_by_hand.txt   # take off the list what left the pages
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import nbformat
 
 from dtlab.app.quotes import BLOCK, ROOT, pages
 
-__all__ = ["ALLOWED", "MEASURED", "main", "unquoted"]
+__all__ = ["ALLOWED", "MEASURED", "main", "shrink", "unquoted"]
 
 _NUMBER = r"(?<![\w.^/\-−+])\d[\d,]*(?:\.\d+)?"
 _UNIT = (r"(?:×|[ \u00a0]?%|[ \u00a0]?(?:ns|µs|us|ms|s|min|minutes|seconds|hours)\b"
@@ -42,6 +44,8 @@ ALLOWED: tuple[tuple[str, str], ...] = (
      "a timeout's default, set by dtlab or torch, not timed"),
     (r"(?:target|targets|aim of|≤|<=|tested to|hold|keep)\s~?\d+(?:\.\d)?(?: %|e-\d+| minutes)"
      r"|within (?:30 %|1e-\d+)", "a target or a test's tolerance, set before measuring"),
+    (r"(?:gap above|within|bound of|\(bf16:|hold float32 to|\ba|against|\(>)\s+[15]e-\d+\b",
+     "a parity test's bound, a power of ten set before measuring (a measured gap has its digits)"),
     (r"±\d+ %", "a guide line drawn on a figure"),
     (r"(?:every|missing for|a burst of|The(?= 0\.3 s above)|out after|group after|default is"
      r"|waits(?: out the)?|timeout of|`join_timeout`,)\s\**\d+(?:\.\d+)? m?s\**(?! later)",
@@ -93,7 +97,24 @@ def unquoted(root: Path = ROOT) -> dict[str, str]:
     return found
 
 
-def main() -> int:
+def shrink(listed: Path, root: Path = ROOT) -> tuple[int, int, list[str]]:
+    """Take off ``listed`` (one ``page: number | its line`` a line) what no page states any more; the list only
+    shrinks, so a number on the pages and not on the list is returned, not added: (before, after, new)."""
+    found, known = set(unquoted(root)), listed.read_text().splitlines()
+    kept = [line for line in known if line in found]
+    listed.write_text("".join(f"{line}\n" for line in kept))
+    return len(known), len(kept), sorted(found - set(known))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtlab.app.unquoted", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shrink", type=Path, metavar="LIST", help="take off LIST the numbers no page states")
+    args = parser.parse_args(argv)
+    if args.shrink:
+        before, after, new = shrink(args.shrink)
+        print(f"{args.shrink}: {before} -> {after} entries")
+        print("\n".join(f"not on the list (quote it or allow it): {key}" for key in new))
+        return 1 if new else 0
     found = unquoted()
     print("\n".join(f"{key}  ({at})" for key, at in found.items())
           or "every measured-looking number is quoted from a result or allowed")
