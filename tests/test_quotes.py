@@ -205,3 +205,27 @@ def test_the_pipeline_table_and_the_link_sweep_read_their_files_rows(tmp_path):
     assert "| 200 Mbit/s | 30.0 ms (20.0–40.0) |" in table and "(0.150 [0.150–0.150])" in table
     assert "PowerSGD at rank 1 is worse on every seed, by 0.1000 to 0.100" in quoted_measure.link_sweep_quality(
         tmp_path)
+
+
+def test_the_parity_table_is_the_experiments_by_tier_and_a_nonzero_gap_is_not_called_bitwise(tmp_path):
+    from dtlab.app import quoted_parity
+
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    rows = [(case, tier, opt, dtype, gap) for case, tier, opt, gaps in (
+        ("ddp w2 sgd", "ddp", "sgd", (1e-8, 2e-17)), ("ddp w2 adam", "ddp", "adam", (2e-7, 1e-16)),
+        ("ddp w2 moe adam", "ddp", "adam", (3e-5, 4e-14)),
+        ("diloco 2x1 sgd", "diloco", "sgd", (0.0, 0.0)), ("diloco 2x1 adam", "diloco", "adam", (4.5e-8, 0.0)))
+        for dtype, gap in zip(("float32", "float64"), gaps)]
+    frame = pd.DataFrame(rows, columns=["case", "tier", "optimizer", "dtype", "gap"]).assign(ulps=1.0)
+    frame.to_csv(tmp_path / quoted_parity.PARITY, index=False)
+    table = quoted_parity.parity_by_tier_table(tmp_path).splitlines()
+    assert table[0] == "| tier | cases | float64, SGD | float64, Adam | float32, SGD | float32, Adam |"
+    # the largest gap per dtype and optimizer, and which of the tier's Adam cases it is
+    assert table[2].startswith("| `ddp` | 3: ") and table[2].endswith(
+        "| 2.0e-17 | 4.0e-14 | 1.0e-8 | 3.0e-5 (`ddp w2 moe`) |")
+    assert table[3].endswith("| 0 | 0 | 0 | 4.5e-8 |")
+    # float64 all zero is bitwise; float32 is not, where one optimizer's gap is not zero
+    assert quoted_parity.parity_diloco(tmp_path) == ("bitwise in float64, in float32 bitwise with SGD and within "
+                                                     "4.5e-8 with Adam")
+    assert quoted_parity.parity_over_bound(tmp_path) == ("1 of the 5 float32 jobs of the committed run, all Adam "
+                                                         "at lr 0.01 (up to 3.0e-5)")

@@ -18,6 +18,7 @@ from dtlab.app.quoted_docs import DOCS
 from dtlab.app.quoted_faults import FAULTS
 from dtlab.app.quoted_measure import MEASURE
 from dtlab.app.quoted_more import MORE
+from dtlab.app.quoted_parity import PARITY_QUOTES
 from dtlab.cost.planner.validate import TARGETS
 from dtlab.experiments.ddp_steps import summary
 from dtlab.read import multinode
@@ -384,3 +385,4 @@ QUOTES.update(MORE)  # goodput's quotes, kept in their own module
 QUOTES.update(DOCS)  # the tiers page's, in theirs
 QUOTES.update(MEASURE)  # the measurement page's
 QUOTES.update(FAULTS)  # and its faults' and slow links'
+QUOTES.update(PARITY_QUOTES)  # parity, per tier and per job
