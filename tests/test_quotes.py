@@ -22,8 +22,9 @@ def test_every_quoted_block_agrees_with_its_committed_result():
 @pytest.mark.parametrize(("page", "names"), [
     ("README.md", {"recording-cost-line", "width-sweep", "width-sweep-predictions", "ft-recovery", "diloco-link",
                    "costmodel-error", "planner-validation", "demo-compare",
-                   "link-sweep", "goodput"}),
+                   "link-sweep", "goodput", "parity-over-bound"}),
     ("docs/tiers.md", {"parity-by-tier", "parity-diloco", "parity-machine", "parity-ulps", "parity-wide-jobs"}),
+    ("docs/determinism.md", {"parity-float32"}),
     ("docs/measurement.md", {"recording-cost", "width-sweep", "width-sweep-runs", "ft-recovery-table",
                              "ft-without-faults", "ft-break-even", "diloco-link", "diloco-link-table",
                              "costmodel-error", "costmodel-error-table", "demo-compare-table", "goodput-table",
