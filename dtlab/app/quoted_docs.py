@@ -19,7 +19,6 @@ from dtlab.cost import cp as cp_cost
 FIGURES = Path("docs/figures")
 PIPELINE_BUBBLE = FIGURES / "pipeline_bubble.csv"
 OVERLAP = FIGURES / "overlap.csv"
-PARITY_MUON = FIGURES / "parity_muon.csv"
 
 # ``python -m dtlab.experiments.cp_work``'s job, as the page states it: the counts it measured equal these formulas
 CP_JOB = {"batch": 64, "width": 64, "depth": 2}
@@ -112,12 +111,6 @@ def overlap_control(root: Path) -> str:
             f"overlapping ring's {' and '.join(f'{v:.1f} %' for v in ring)}")
 
 
-def parity_muon(root: Path, dtype: str) -> str:
-    """The largest gap from ``single`` over Muon's cases in ``dtype``."""
-    runs = pd.read_csv(root / PARITY_MUON)
-    return sci(runs.loc[runs["dtype"] == dtype, "gap"].max())
-
-
 def cp_flops_table(root: Path) -> str:
     """Each rank's matrix-product FLOPs of one ring-attention block at world 4, per balance, by
     ``dtlab.cost.cp.attention_flops_formula`` (which the measured counts equal; ``root`` unused)."""
@@ -145,8 +138,6 @@ DOCS: dict[str, Callable[[Path], str]] = {
     "cp-flops-table": cp_flops_table,
     "overlap-control": overlap_control,
     "overlap-table": overlap_table,
-    "parity-muon-float32": lambda root: parity_muon(root, "float32"),
-    "parity-muon-float64": lambda root: parity_muon(root, "float64"),
     "pipeline-bubble-excess": pipeline_bubble_excess,
     "pipeline-bubble-load": pipeline_bubble_load,
     "pipeline-bubble-table": pipeline_bubble_table,
