@@ -47,6 +47,7 @@ ALLOWED: tuple[tuple[str, str], ...] = (
     (r"(?:gap above|within|bound of|\(bf16:|hold float32 to|\ba|against|\(>)\s+[15]e-\d+\b",
      "a parity test's bound, a power of ten set before measuring (a measured gap has its digits)"),
     (r"±\d+ %", "a guide line drawn on a figure"),
+    (r"\| (?:≥|≤) \d\.\d+ \|", "a benchmark's target ratio in a table's target column, set before measuring"),
     (r"(?:every|missing for|a burst of|The(?= 0\.3 s above)|out after|group after|default is"
      r"|waits(?: out the)?|timeout of|`join_timeout`,)\s\**\d+(?:\.\d+)? m?s\**(?! later)",
      "a timeout or an interval dtlab or torchft is configured with (``ft.Options(timeouts=...)``, a test's)"),
