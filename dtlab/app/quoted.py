@@ -19,6 +19,7 @@ from dtlab.app.quoted_faults import FAULTS
 from dtlab.app.quoted_measure import MEASURE
 from dtlab.app.quoted_more import MORE
 from dtlab.app.quoted_parity import PARITY_QUOTES
+from dtlab.app.quoted_rest import REST
 from dtlab.cost.planner.validate import TARGETS
 from dtlab.experiments.ddp_steps import summary
 from dtlab.read import multinode
@@ -386,3 +387,4 @@ QUOTES.update(DOCS)  # the tiers page's, in theirs
 QUOTES.update(MEASURE)  # the measurement page's
 QUOTES.update(FAULTS)  # and its faults' and slow links'
 QUOTES.update(PARITY_QUOTES)  # parity, per tier and per job
+QUOTES.update(REST)  # the measurement page's smaller figures beside its tables
