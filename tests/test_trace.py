@@ -177,6 +177,23 @@ def test_every_process_the_trace_started_ends_when_it_is_killed(tmp_path):
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
+def _tree(pid: int) -> list[str]:
+    """``pid`` and its descendants: pid, status, threads' wait channel and command line."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        try:
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text() if Path(f"/proc/{p.pid}/wchan").exists() else "?"
+            out.append(f"{p.pid} {p.status()} {wchan} {' '.join(p.cmdline())[:100]}")
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
 STUCK = """
 import threading, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -206,8 +223,10 @@ def test_ctrl_c_on_a_hang_saves_what_the_ranks_recorded_and_names_the_rank(tmp_p
         try:
             _, err = cli_proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            alive = _tree(cli_proc.pid)  # what was still running says where it waited
             cli_proc.kill()
-            pytest.fail(f"dtlab trace did not end within 120 s of Ctrl-C; it printed:\n{cli_proc.communicate()[1]}")
+            pytest.fail(f"dtlab trace did not end within 120 s of Ctrl-C; still running: {alive}; "
+                        f"it printed:\n{cli_proc.communicate()[1]}")
     finally:
         cli_proc.kill()
     assert cli_proc.returncode == 130, err
