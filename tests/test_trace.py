@@ -208,6 +208,7 @@ dist.all_reduce(torch.ones(4))
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("default_sigint")  # else the CLI inherits an ignored SIGINT from an earlier test's library
 def test_ctrl_c_on_a_hang_saves_what_the_ranks_recorded_and_names_the_rank(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
