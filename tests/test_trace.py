@@ -177,6 +177,13 @@ def test_every_process_the_trace_started_ends_when_it_is_killed(tmp_path):
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
+def _sigint_as_a_shell_gives_it() -> None:
+    """In the CLI's process before it starts: SIGINT at its default and not blocked, whatever the test process
+    inherited from earlier tests' libraries (an ignored or blocked SIGINT is passed on to a child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _tree(pid: int) -> list[str]:
     """``pid`` and its descendants: pid, status, threads' wait channel and command line."""
     try:
@@ -216,7 +223,7 @@ def test_ctrl_c_on_a_hang_saves_what_the_ranks_recorded_and_names_the_rank(tmp_p
     cli_proc = subprocess.Popen([sys.executable, "-m", "dtlab", "trace", "--out", str(out), "--flight-recorder",
                                  "--", "torchrun", "--standalone", "--nproc-per-node", "2", str(script)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).parents[1])
+                                cwd=Path(__file__).parents[1], preexec_fn=_sigint_as_a_shell_gives_it)
     try:
         assert cli_proc.stdout.readline().strip() == "ready"
         family = psutil.Process(cli_proc.pid).children(recursive=True)
