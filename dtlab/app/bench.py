@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dtlab.app.bench_group import STATUS
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 # a name may carry one bracketed qualifier: ``ft_recovery[tuned timeouts]``
 RESULT = re.compile(r"^(?P<name>[\w.]+(?:\[[^\]\n]+\])?): measured (?P<value>[-\d.e+naninf]+) "
@@ -131,7 +133,7 @@ def _run_grouped(todo: list[Path], out: Path, jobs: int) -> dict[Path, subproces
 def _status(proc: subprocess.Popen, name: str) -> int:
     """The exit code the group reports for ``name``; -1 where the group ended first."""
     for line in proc.stdout:
-        if line.startswith(f"bench_group: {name} exit "):
+        if line.startswith(STATUS.format(name=name, code="")):
             return int(line.rsplit(" ", 1)[1])
     return -1
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from dtlab.app.quoted_docs import DOCS
+from dtlab.app.quoted_docs import DOCS, span
 from dtlab.app.quoted_faults import FAULTS
 from dtlab.app.quoted_measure import MEASURE
 from dtlab.app.quoted_more import MORE
@@ -102,11 +102,11 @@ def width_sweep(root: Path) -> str:
     best = runs.loc[runs.groupby("run")["speedup"].idxmax()]
     one_thread = [crossover(run, "speedup_vs_1t") for _, run in runs.groupby("run")]
     paid = [round(w) for w in one_thread if w is not None]
-    against_1t = (f"from a width of about {_span(paid, '{:.0f}')}" if len(paid) == len(one_thread)
-                  else f"from a width of about {_span(paid, '{:.0f}')} in {len(paid)} of {len(one_thread)} runs"
+    against_1t = (f"from a width of about {span(paid, '{:.0f}')}" if len(paid) == len(one_thread)
+                  else f"from a width of about {span(paid, '{:.0f}')} in {len(paid)} of {len(one_thread)} runs"
                   if paid else "at no width")
-    return (f"{_runs_text(runs)}: ddp reached at most {_span(best['speedup'], '{:.2f}')}× of one 2-thread process "
-            f"(at width {_span(best['width'], '{:.0f}')}); against single on one thread it pays {against_1t}")
+    return (f"{_runs_text(runs)}: ddp reached at most {span(best['speedup'], '{:.2f}')}× of one 2-thread process "
+            f"(at width {span(best['width'], '{:.0f}')}); against single on one thread it pays {against_1t}")
 
 
 def width_sweep_predictions(root: Path) -> str:
@@ -186,7 +186,7 @@ def ft_recovery_table(root: Path) -> str:
 
     def redone(variant: str) -> str:
         v = rows.loc[rows["variant"] == variant, "redone_steps"]
-        return _span(v, "{:.0f}").replace("–", " to ")
+        return span(v, "{:.0f}").replace("–", " to ")
 
     lines = [f"| | time lost per SIGKILL: median (min–max of {s['rounds']} rounds) | steps redone | samples lost | "
              f"`ft` / `elastic`, per round | target ≤ {FT_TARGET:g} |", "| --- | --- | --- | --- | --- | --- |",
@@ -266,7 +266,7 @@ def diloco_link(root: Path) -> str:
     above = " and ".join(f"{x:.3f}" for x in missed["heldout_final"] - missed["target_heldout"])
     seeds = f"{len(reached)} seed{'' if len(reached) == 1 else 's'} of {len(v)}"
     return (f"DiLoCo (H = {v['h'].iloc[0]}) reaches DDP's final held-out loss on {seeds}"
-            + (f", there in {_span(reached['time_ratio'], '{:.3f}')} of the time DDP takes to first reach it"
+            + (f", there in {span(reached['time_ratio'], '{:.3f}')} of the time DDP takes to first reach it"
                if len(reached) else "")
             + (f"; on the others it ends {above} above it" if len(missed) else "")
             + f" (target ≤ {DILOCO_BOUND:g} of DDP's time on every seed: {'met' if met else 'not met'}). Bytes per "
@@ -356,11 +356,6 @@ def _pct(x: float, digits: int = 0) -> str:
     value = round(100 * x, digits) + 0  # + 0: no "-0 %"
     return f"{value:+.{digits}f} %".replace("-", "−")
 
-
-def _span(values, fmt: str) -> str:
-    values = sorted(float(v) for v in values)
-    lo, hi = fmt.format(values[0]), fmt.format(values[-1])
-    return lo if lo == hi else f"{lo}–{hi}"
 
 
 QUOTES: dict[str, Callable[[Path], str]] = {

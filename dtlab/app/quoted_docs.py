@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -23,7 +24,7 @@ OVERLAP = FIGURES / "overlap.csv"
 # ``python -m dtlab.experiments.cp_work``'s job, as the page states it: the counts it measured equal these formulas
 CP_JOB = {"batch": 64, "width": 64, "depth": 2}
 
-__all__ = ["DOCS", "FIGURES", "sci", "table_row"]
+__all__ = ["DOCS", "FIGURES", "sci", "span", "table_row"]
 
 
 def sci(x: float, digits: int = 1) -> str:
@@ -31,6 +32,13 @@ def sci(x: float, digits: int = 1) -> str:
     if x == 0:
         return "0"
     return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'-' if m[1] == '-' else ''}{m[2]}", f"{x:.{digits}e}")
+
+
+def span(values: Any, fmt: str) -> str:
+    """The smallest and largest of ``values`` in ``fmt`` as ``lo–hi``; one value where they read the same."""
+    values = sorted(float(v) for v in values)
+    lo, hi = fmt.format(values[0]), fmt.format(values[-1])
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def table_row(cells: list[str]) -> str:

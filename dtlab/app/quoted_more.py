@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from dtlab.app.quoted_docs import span
 from dtlab.cost import goodput as model
 from dtlab.experiments.goodput import PER_STEP, costs
 
@@ -30,11 +31,6 @@ def _goodput(root: Path) -> tuple[pd.DataFrame, dict[str, float], dict[str, Any]
     runs = frame[frame["kind"] == "point"]
     return runs, ckpt, costs(runs, ckpt)
 
-
-def _span(values: Any, fmt: str) -> str:
-    values = sorted(float(v) for v in values)
-    lo, hi = fmt.format(values[0]), fmt.format(values[-1])
-    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def _sig(x: float) -> str:
@@ -61,8 +57,8 @@ def goodput(root: Path) -> str:
     faulted = runs[runs["faults"] > 0]
     (tuned, steps), (slow, _) = _break_even(fitted, TUNED), _break_even(fitted, TORCHFT)
     ratio = fitted[TUNED].step_s / fitted[RESTART].step_s
-    return (f"{len(faulted)} measured points within {_span(faulted['ratio'], '{:.2f}')} of the model's predictions "
-            f"(MTBF {_span(faulted['mtbf_s'], '{:.2f}')} s); `ft` with tuned timeouts beats the restart below an "
+    return (f"{len(faulted)} measured points within {span(faulted['ratio'], '{:.2f}')} of the model's predictions "
+            f"(MTBF {span(faulted['mtbf_s'], '{:.2f}')} s); `ft` with tuned timeouts beats the restart below an "
             f"MTBF of {tuned:.1f} s of training ({steps:,.0f} of its steps; a restart costs "
             f"{fitted[RESTART].restart_s:.1f} s here, its step {ratio:.2f}× `elastic`'s), with torchft's timeouts "
             f"only below {slow:.2f} s. At Llama 3's published fault rate (a projection with assumed costs, not "
@@ -98,10 +94,10 @@ def goodput_findings(root: Path) -> str:
     runs, _, fitted = _goodput(root)
     faulted, clean = runs[runs["faults"] > 0], runs[runs["faults"] == 0]
     (tuned, steps), (slow, slow_steps) = _break_even(fitted, TUNED), _break_even(fitted, TORCHFT)
-    return (f"Every measured point lies within {_span(faulted['ratio'], '{:.2f}')} of its prediction; the "
+    return (f"Every measured point lies within {span(faulted['ratio'], '{:.2f}')} of its prediction; the "
             f"{len(clean)} runs that drew no fault stand as fault-free references "
-            f"({_span(clean['ratio'], '{:.2f}')} of their prediction), and the points cover MTBFs of "
-            f"{_span(faulted['mtbf_s'], '{:.2f}')} s only. Fault-free, `ft`'s step took "
+            f"({span(clean['ratio'], '{:.2f}')} of their prediction), and the points cover MTBFs of "
+            f"{span(faulted['mtbf_s'], '{:.2f}')} s only. Fault-free, `ft`'s step took "
             f"{1e3 * fitted[TUNED].step_s:.1f} ms against `elastic`'s {1e3 * fitted[RESTART].step_s:.1f} ms "
             f"(medians over runs, {fitted[TUNED].step_s / fitted[RESTART].step_s:.2f}×: the quorum every step). "
             f"With torchft's timeouts `ft` loses {fitted[TORCHFT].lost_s:.1f} s per fault against the restart's "
